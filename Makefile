@@ -1,0 +1,69 @@
+# preinfer: every target installs what it needs on first use (a .venv made by `make setup`).
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+CONFIG  ?= configs/demo.yaml
+BLOCK   ?= 1
+SET     ?=
+SETARGS := $(foreach s,$(SET),--set $(s))
+CLI     := $(PY) -m preinfer.cli
+PYTEST_WORKERS ?=
+
+.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval plan report bench study clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not cluster" $(PYTEST_WORKERS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow or cluster"
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+demo: $(STAMP)
+	$(CLI) demo --config $(CONFIG) $(SETARGS)
+
+tokenize: $(STAMP)
+	$(CLI) tokenize --config $(CONFIG) $(SETARGS)
+
+init: $(STAMP)
+	$(CLI) init --config $(CONFIG) $(SETARGS)
+
+preinfer: $(STAMP)
+	$(CLI) cache build --block $(BLOCK) --config $(CONFIG) $(SETARGS)
+
+refresh: $(STAMP)
+	$(CLI) cache refresh --block $(BLOCK) --config $(CONFIG) $(SETARGS)
+
+train: $(STAMP)
+	$(CLI) train --block $(BLOCK) --config $(CONFIG) $(SETARGS)
+
+bcd: $(STAMP)
+	$(CLI) bcd --config $(CONFIG) $(SETARGS)
+
+eval: $(STAMP)
+	$(CLI) eval --config $(CONFIG) $(SETARGS)
+
+plan: $(STAMP)
+	$(CLI) plan --config $(CONFIG) $(SETARGS)
+
+report: $(STAMP)
+	$(CLI) report --config $(CONFIG) $(SETARGS)
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,95 @@
+"""The root config: one section per stage, loaded from `configs/*.yaml` plus `--set` overrides.
+
+    cfg = load_config("configs/demo.yaml", ["train.lr=0.01"])
+    cfg.data.seq_len, cfg.cache.dtype, cfg.paths.checkpoint ...
+
+Paths left null in YAML are resolved under `run.dir`, so the resolved config (what is saved
+beside every output) names every path explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from preinfer.confload import ConfigError, apply_override, from_dict, load_yaml, to_dict
+from preinfer.modeling import ModelConfig
+from preinfer.partition import PartitionConfig
+from preinfer.prefix import PreinferConfig
+from preinfer.tokenization import DataConfig
+from preinfer.trainer import TrainConfig
+from storage.config import CacheConfig
+
+__all__ = ["Config", "ConfigError", "RunConfig", "load_config"]
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "run"
+    """Name of the run (used in reports)."""
+    dir: str = "runs/run"
+    """Run directory: tokens, checkpoint, caches, metrics and reports live under it by default."""
+    checkpoint: str | None = None
+    """Checkpoint directory; null = <dir>/checkpoint."""
+    seed: int = 0
+    """Global seed (model init uses model.init_seed, data order train.seed)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where compute runs; auto = cuda when available."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision; auto = bf16 autocast on GPU, fp32 on CPU."""
+
+    def __post_init__(self):
+        if not self.dir:
+            raise ConfigError("run.dir must not be empty")
+
+
+@dataclass(kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run-wide settings (directory, seed, device)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture or local checkpoint."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and packing."""
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    """How layers are cut into blocks."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """Activation cache storage."""
+    preinfer: PreinferConfig = field(default_factory=PreinferConfig)
+    """Pre-inference Ray job."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Block trainer and rotation."""
+
+    def __post_init__(self):
+        base = self.run.dir.rstrip("/")
+        if self.data.out_dir is None:
+            self.data.out_dir = f"{base}/tokens"
+        if self.run.checkpoint is None:
+            self.run.checkpoint = f"{base}/checkpoint"
+        if self.cache.root is None:
+            self.cache.root = f"{base}/cache"
+        if self.model.checkpoint is None and self.data.seq_len > self.model.max_positions:
+            raise ConfigError(
+                f"data.seq_len ({self.data.seq_len}) is larger than model.max_positions "
+                f"({self.model.max_positions}); lower data.seq_len or raise model.max_positions"
+            )
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def config_from_dict(data: dict) -> Config:
+    return from_dict(Config, data)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or defaults when path is None) and apply `section.key=value` overrides."""
+    data = load_yaml(path) if path is not None else {}
+    for spec in overrides or []:
+        apply_override(data, spec)
+    return config_from_dict(data)

@@ -1,0 +1,37 @@
+"""Pre-inference config (the Ray job that runs the frozen prefix over the corpus)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from preinfer.confload import ConfigError
+
+
+@dataclass(kw_only=True)
+class PreinferConfig:
+    actors: int = 2
+    """Size of the Ray actor pool running the prefix."""
+    cpus_per_actor: float = 0.5
+    """CPUs each actor asks Ray for when no GPU is present (fractional keeps the read stage alive)."""
+    gpus_per_actor: float = 1.0
+    """GPUs each actor asks for when GPUs exist."""
+    micro_batch: int = 16
+    """Samples per forward call inside an actor."""
+    sample_fraction: float = 1.0
+    """Fraction of train samples cached per round (deterministic per seed and round; part of the fingerprint)."""
+    max_restarts: int = 2
+    """How often a dead actor is restarted."""
+    max_task_retries: int = 3
+    """How often a failed shard task is retried."""
+
+    def __post_init__(self):
+        for name in ("actors", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"preinfer.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.sample_fraction <= 1.0:
+            raise ConfigError(f"preinfer.sample_fraction must be in (0, 1], got {self.sample_fraction}")
+        if self.cpus_per_actor <= 0:
+            raise ConfigError(f"preinfer.cpus_per_actor must be > 0, got {self.cpus_per_actor}")
+        for name in ("max_restarts", "max_task_retries"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"preinfer.{name} must be >= 0, got {getattr(self, name)}")
