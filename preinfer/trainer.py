@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import resource
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+import torch
+
 from preinfer.confload import ConfigError
+from preinfer.device import autocast
+from preinfer.evaluation import lm_loss, split_sample
 
 # The paper's defaults per optimizer: (lr, momentum, weight decay).
 PAPER_DEFAULTS = {"sgd": (0.1, 0.9, 1e-5), "adam": (1e-4, 0.0, 1e-5), "adamw": (1e-4, 0.0, 1e-5)}
@@ -82,3 +90,137 @@ class TrainConfig:
             "weight_decay": self.weight_decay if self.weight_decay is not None else wd,
             "betas": tuple(self.betas) if self.betas is not None else (0.9, 0.999),
         }
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: global batches of a fixed size, split evenly over ranks (every rank gets the same
+# number of steps), in an order fixed by (seed, round, block, epoch).
+
+
+class TokenBatches:
+    """Batches of (input_ids (b, S), labels (b, S)) from a token store split."""
+
+    def __init__(self, store, split: str, *, batch_size: int, seed: int, rank: int = 0,
+                 world: int = 1, shuffle: bool = True, indices: np.ndarray | None = None):
+        self.store, self.split = store, split
+        self.rows = np.arange(store.num_samples(split)) if indices is None else np.asarray(indices)
+        if len(self.rows) < batch_size:
+            raise ConfigError(
+                f"train.batch_size ({batch_size}) is larger than the {split} split "
+                f"({len(self.rows)} samples); lower train.batch_size or use more data"
+            )
+        self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
+        self.shuffle = shuffle
+        self.steps_per_epoch = len(self.rows) // batch_size
+
+    def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self.rows
+        if self.shuffle:
+            order = self.rows[np.random.default_rng([self.seed, e]).permutation(len(self.rows))]
+        for s in range(self.steps_per_epoch):
+            glob = order[s * self.batch_size : (s + 1) * self.batch_size]
+            mine = np.sort(glob[self.rank :: self.world])  # (b/world,) this rank's rows
+            yield split_sample(self.store.read_indices(self.split, mine))
+
+
+class CacheBatches:
+    """Batches of (hidden (b, S, H) fp32, labels (b, S)) from an activation cache split."""
+
+    def __init__(self, cache, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,
+                 shuffle: bool = True, dtype: torch.dtype = torch.float32):
+        n = cache.num_samples
+        if n < batch_size:
+            raise ConfigError(
+                f"train.batch_size ({batch_size}) is larger than the cache ({n} samples); "
+                "lower train.batch_size"
+            )
+        self.cache, self.batch_size, self.seed = cache, batch_size, seed
+        self.rank, self.world, self.shuffle, self.dtype = rank, world, shuffle, dtype
+        self.steps_per_epoch = n // batch_size
+
+    def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from storage.reader import CacheDataset
+
+        ds = CacheDataset(self.cache, batch_size=self.batch_size // self.world,
+                          shuffle=self.shuffle, seed=self.seed, rank=self.rank,
+                          world_size=self.world, dtype=self.dtype, drop_last=True)
+        ds.set_epoch(e)
+        for i, (hidden, labels) in enumerate(ds):
+            if i >= self.steps_per_epoch:
+                break
+            yield hidden, labels
+
+
+def endless(batches, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Cycle epochs forever, skipping the first `start_step` batches (for a resumed visit)."""
+    e, skip = divmod(start_step, batches.steps_per_epoch)
+    while True:
+        for i, b in enumerate(batches.epoch(e)):
+            if i >= skip:
+                yield b
+        e, skip = e + 1, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisation
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    o = cfg.resolved_optim()
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"],
+                               weight_decay=o["weight_decay"])
+    cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"])
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup then cosine decay to min_lr_ratio * peak, over one block visit."""
+    peak = cfg.resolved_optim()["lr"]
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.min_lr_ratio * peak
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory: torch.cuda.max_memory_allocated on GPU, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def allreduce_grads(params: list[torch.nn.Parameter], world: int) -> None:
+    """Average gradients over ranks (what DDP does), one flat buffer per call."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train_step(forward, params, optimizer, batch, cfg: TrainConfig, step: int, *,
+               device, precision: str = "auto", world: int = 1) -> float:
+    """One optimizer step of the active parameters; returns this rank's loss."""
+    x, labels = batch
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(device, precision):
+        logits = forward(x.to(device))
+    loss = lm_loss(logits, labels.to(device))
+    loss.backward()
+    allreduce_grads(params, world)
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optimizer.step()
+    return loss.item()

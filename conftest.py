@@ -1,0 +1,3 @@
+"""Repo-level pytest plugins: shared pipeline fixtures."""
+
+pytest_plugins = ["tests.pipeline_fixtures"]

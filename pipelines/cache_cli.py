@@ -1,0 +1,57 @@
+"""`preinfer cache ...` subcommands: build/refresh (Ray jobs) and the storage tools."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from preinfer.config import Config
+
+
+def _referenced(run_dirs: list[str]) -> set[str]:
+    """Fingerprints that the runs' state files say are in use."""
+    keep: set[str] = set()
+    for d in run_dirs:
+        p = Path(d) / "state.json"
+        if p.is_file():
+            keep |= set(json.loads(p.read_text()).get("caches_in_use", []))
+    return keep
+
+
+def main(args, cfg: Config) -> int:
+    from storage import tools
+
+    cmd = args.cache_cmd
+    if cmd in ("build", "refresh"):
+        from pipelines.preinfer import build_cache, refresh_cache
+
+        fn = build_cache if cmd == "build" else refresh_cache
+        res = fn(cfg, args.block, args.round)
+        print(json.dumps(res))
+        return 0
+    root = getattr(args, "root", None) or cfg.cache.root
+    if cmd == "ls":
+        print(tools.format_table(tools.list_caches(root)))
+        return 0
+    if cmd == "inspect":
+        print(json.dumps(tools.inspect_cache(root, args.fingerprint), indent=2, default=str))
+        return 0
+    if cmd == "verify":
+        bad = tools.verify_cache(root, args.fingerprint)
+        for shard, reason in bad:
+            print(f"shard {shard}: {reason}")
+        if bad:
+            print(f"verify: {args.fingerprint}: {len(bad)} bad shard(s); rebuild with "
+                  "`preinfer cache build` (bad shards are rewritten)")
+            return 1
+        print(f"verify: {args.fingerprint}: ok")
+        return 0
+    if cmd == "gc":
+        keep = _referenced(args.run or [cfg.run.dir])
+        removed = tools.gc_caches(root, keep, dry_run=args.dry_run)
+        verb = "would remove" if args.dry_run else "removed"
+        for fp, reason, nbytes in removed:
+            print(f"{verb} {fp} ({reason}, {nbytes / 2**20:.1f} MiB)")
+        print(f"gc: {len(removed)} cache(s) {verb}; kept {len(keep)} in use")
+        return 0
+    raise AssertionError(cmd)

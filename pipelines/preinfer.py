@@ -1,0 +1,297 @@
+"""Stages `preinfer cache build` and `preinfer cache refresh` (Ray Data).
+
+build K:   token rows --(blocks 0..K-1)--> hidden entering block K
+refresh K: boundary K-1 cache --(block K-1 alone)--> hidden entering block K
+
+The driver plans the caches (fingerprints, shards still missing), then a Ray Data pipeline
+maps shard descriptors over an actor pool. Each actor loads only the blocks it runs (paths
+travel, not objects), computes one whole shard per task in micro-batches and writes it itself;
+only a small marker comes back. The driver finalizes (manifest last). Rerunning the same
+command resumes: shards with a valid done marker are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from preinfer.checkpoint import Checkpoint
+from preinfer.config import Config, config_from_dict
+from preinfer.confload import ConfigError
+from preinfer.fingerprint import cache_fingerprint
+from storage.tokens import TokenStore
+
+SPLITS = ("train", "val")
+FAULT_ENV = "PREINFER_TEST_DIE_ONCE"  # test-only: path of a marker; the first task to see it absent dies
+
+
+@dataclass(kw_only=True)
+class CachePlan:
+    """One cache to produce: which rows, which fingerprint, which shards are missing."""
+
+    split: str
+    fingerprint: str
+    indices: np.ndarray
+    """(N,) token-store rows of this split that the cache holds, ascending."""
+    complete: bool
+    missing: list[int]
+
+
+def sample_indices(cfg: Config, store: TokenStore, split: str, round_: int) -> np.ndarray:
+    """Rows cached for (split, round): all of val; a deterministic fraction of train."""
+    n = store.num_samples(split)
+    frac = cfg.preinfer.sample_fraction
+    if split == "val" or frac >= 1.0:
+        return np.arange(n)
+    k = max(1, int(round(n * frac)))
+    rng = np.random.default_rng([cfg.train.seed, round_, 7919])
+    return np.sort(rng.choice(n, size=k, replace=False))
+
+
+def sampling_spec(cfg: Config, split: str, round_: int) -> dict:
+    if split == "val" or cfg.preinfer.sample_fraction >= 1.0:
+        return {"fraction": 1.0}
+    return {"fraction": cfg.preinfer.sample_fraction, "seed": cfg.train.seed, "round": round_}
+
+
+def codec_spec(cfg: Config) -> dict:
+    c = cfg.cache
+    return {"codec": c.codec, "shuffle": c.shuffle, "level": c.level, "shard_mb": c.shard_mb}
+
+
+def fingerprint_for(cfg: Config, ckpt: Checkpoint, store: TokenStore, block: int, split: str,
+                    round_: int) -> str:
+    return cache_fingerprint(
+        tokens=store.fingerprint, split=split, prefix=ckpt.prefix_hash(block), boundary=block,
+        model=ckpt.model_config_dict, dtype=cfg.cache.dtype, codec=codec_spec(cfg),
+        sampling=sampling_spec(cfg, split, round_),
+    )
+
+
+def cache_meta(cfg: Config, ckpt: Checkpoint, store: TokenStore, block: int, split: str,
+               round_: int) -> dict:
+    return {
+        "boundary": block, "split": split, "round": round_, "tokens": store.fingerprint,
+        "prefix": ckpt.prefix_hash(block), "model": ckpt.model_config_dict,
+        "sampling": sampling_spec(cfg, split, round_), "config": cfg.to_dict(),
+        "checkpoint": str(Path(cfg.run.checkpoint).resolve()),
+    }
+
+
+def plan_caches(cfg: Config, block: int, round_: int = 0, *, create: bool = True) -> list[CachePlan]:
+    """Fingerprints and missing shards of the train and val caches at boundary `block`."""
+    from storage.cache import CacheWriter, is_complete
+
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    if not 1 <= block < ckpt.num_blocks:
+        raise ConfigError(
+            f"--block {block}: a cache exists only for boundaries 1..{ckpt.num_blocks - 1} "
+            f"(block 0 trains from tokens; the checkpoint has {ckpt.num_blocks} blocks)"
+        )
+    store = TokenStore(cfg.data.out_dir)
+    plans = []
+    for split in SPLITS:
+        fp = fingerprint_for(cfg, ckpt, store, block, split, round_)
+        idx = sample_indices(cfg, store, split, round_)
+        if is_complete(cfg.cache.root, fp):
+            plans.append(CachePlan(split=split, fingerprint=fp, indices=idx, complete=True, missing=[]))
+            continue
+        missing: list[int] = []
+        if create:
+            rows = store.read_indices(split, idx)  # (N, S+1) int32
+            writer = CacheWriter.create(
+                cfg.cache.root, fp,
+                samples={"sample_id": idx.astype(np.int64), "input_ids": rows[:, :-1],
+                         "labels": rows[:, 1:]},
+                seq_len=store.seq_len, hidden_size=ckpt.hidden_size, cache_cfg=cfg.cache,
+                meta=cache_meta(cfg, ckpt, store, block, split, round_),
+            )
+            missing = writer.missing_shards()
+        plans.append(CachePlan(split=split, fingerprint=fp, indices=idx, complete=False,
+                               missing=missing))
+    return plans
+
+
+class PrefixWorker:
+    """Ray actor: runs blocks [first, block) of the checkpoint and writes whole cache shards.
+
+    first = 0 (build, input = token ids) or block-1 (refresh, input = the boundary-(block-1)
+    cache). Constructed once per actor from plain data (config dict and paths).
+    """
+
+    def __init__(self, cfg_dict: dict, block: int, first: int, sources: dict[str, str]):
+        from preinfer.adapters import forward_blocks
+        from preinfer.device import resolve_device, torch_dtype
+        from storage.cache import CacheWriter
+
+        self.cfg = config_from_dict(cfg_dict)
+        self.block, self.first, self.sources = block, first, sources
+        self.device = resolve_device(self.cfg.run.device)
+        self.dtype = torch_dtype(self.cfg.cache.dtype)
+        ckpt = Checkpoint.open(self.cfg.run.checkpoint)
+        self.model, self.adapter = ckpt.load(range(first, block), device=self.device)
+        self.model.to(self.dtype).eval()
+        self.part = ckpt.partition
+        self._forward = forward_blocks
+        self._writers: dict[str, CacheWriter] = {}
+        self._open_writer = lambda fp: CacheWriter.open(self.cfg.cache.root, fp)
+
+    def _maybe_die(self) -> None:
+        marker = os.environ.get(FAULT_ENV)
+        if marker and not os.path.exists(marker):
+            Path(marker).write_text(str(os.getpid()))
+            os._exit(1)  # an actor dying on its first shard; Ray restarts it and retries the task
+
+    @torch.inference_mode()
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, S) ids or (n, S, H) hidden -> (n, S, H) hidden entering `block`, in micro-batches."""
+        mb = self.cfg.preinfer.micro_batch
+        outs = []
+        for i in range(0, len(x), mb):
+            xi = x[i : i + mb].to(self.device)
+            if xi.is_floating_point():
+                xi = xi.to(self.dtype)
+            outs.append(self._forward(self.adapter, self.part, xi, self.first, self.block).cpu())
+        return torch.cat(outs)
+
+    def __call__(self, batch: dict) -> dict:
+        out = {"fingerprint": [], "shard": [], "rows": [], "seconds": []}
+        for fp, shard in zip(batch["fingerprint"], batch["shard"], strict=True):
+            self._maybe_die()
+            t0 = time.perf_counter()
+            writer = self._writers.get(fp) or self._writers.setdefault(fp, self._open_writer(fp))
+            start, stop = writer.shard_range(int(shard))
+            if self.first == 0:
+                ids = torch.from_numpy(writer.read_input_ids(start, stop)).long()  # (n, S)
+                hidden = self._compute(ids)
+            else:
+                src = self._source(fp)
+                hidden = self._compute(src.read_rows(start, stop, dtype=self.dtype)[0])
+            writer.write_shard(int(shard), hidden)
+            out["fingerprint"].append(fp)
+            out["shard"].append(int(shard))
+            out["rows"].append(stop - start)
+            out["seconds"].append(time.perf_counter() - t0)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def _source(self, fp: str):
+        from storage.reader import open_cache
+
+        src_fp = self.sources[fp]
+        key = f"src:{src_fp}"
+        if key not in self._writers:
+            self._writers[key] = open_cache(self.cfg.cache.root, src_fp, expected_fingerprint=src_fp)
+        return self._writers[key]
+
+
+def _run_workers(cfg: Config, plans: list[CachePlan], block: int, first: int,
+                 sources: dict[str, str], seq_len: int, log) -> dict:
+    """Map missing shards over the actor pool; returns counts and timing."""
+    import ray
+
+    from pipelines.ray_env import actor_resources, ensure_ray
+
+    items = [{"fingerprint": p.fingerprint, "shard": s} for p in plans for s in p.missing]
+    if not items:
+        return {"shards": 0, "rows": 0, "seconds": 0.0}
+    ensure_ray()
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    pool = min(cfg.preinfer.actors, len(items))
+    env = {k: os.environ[k] for k in (FAULT_ENV,) if k in os.environ}
+    with warnings.catch_warnings():
+        # restart/retry bounds are only accepted as (deprecated) free-form remote args
+        warnings.simplefilter("ignore")
+        ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            PrefixWorker,
+            fn_constructor_kwargs={"cfg_dict": cfg.to_dict(), "block": block, "first": first,
+                                   "sources": sources},
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=pool),
+            runtime_env={"env_vars": env} if env else None,
+            max_restarts=cfg.preinfer.max_restarts,
+            max_task_retries=cfg.preinfer.max_task_retries,
+            **actor_resources(cfg),
+        )
+    t0 = time.perf_counter()
+    rows = shards = 0
+    bar = tqdm(total=len(items), desc=f"preinfer block {block}", unit="shard", disable=None)
+    for rec in ds.iter_rows():
+        shards += 1
+        rows += int(rec["rows"])
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{rows * seq_len / (time.perf_counter() - t0):,.0f}")
+    bar.close()
+    return {"shards": shards, "rows": rows, "seconds": time.perf_counter() - t0}
+
+
+def _finish(cfg: Config, plans: list[CachePlan]) -> None:
+    from storage.cache import CacheWriter
+
+    for p in plans:
+        if not p.complete:
+            CacheWriter.open(cfg.cache.root, p.fingerprint).finalize()
+
+
+def build_cache(cfg: Config, block: int, round_: int = 0, *, log=print) -> dict:
+    """Hidden states entering `block` for train and val, from tokens through blocks 0..block-1."""
+    plans = plan_caches(cfg, block, round_)
+    todo = sum(len(p.missing) for p in plans)
+    if all(p.complete for p in plans):
+        log(f"cache build: boundary {block} is current ({_fps(plans)}); nothing to do")
+        return {"action": "reused", **_result(plans)}
+    store = TokenStore(cfg.data.out_dir)
+    stats = _run_workers(cfg, plans, block, 0, {}, store.seq_len, log)
+    _finish(cfg, plans)
+    _log_done(log, "build", block, plans, stats, todo, store.seq_len)
+    return {"action": "built", **_result(plans), **stats}
+
+
+def refresh_cache(cfg: Config, block: int, round_: int = 0, *, log=print) -> dict:
+    """Boundary `block` from the complete boundary block-1 cache, running block-1 alone."""
+    from storage.cache import is_complete
+
+    if block < 2:
+        raise ConfigError(f"--block {block}: refresh needs a boundary-{block - 1} cache; "
+                          "boundary 1 is built from tokens with `cache build --block 1`")
+    prev = plan_caches(cfg, block - 1, round_, create=False)
+    stale = [p for p in prev if not is_complete(cfg.cache.root, p.fingerprint)]
+    if stale:
+        raise ConfigError(
+            f"no current boundary-{block - 1} cache for the checkpoint as it is now "
+            f"(missing {', '.join(f'{p.split} {p.fingerprint}' for p in stale)}); "
+            f"run `preinfer cache build --block {block - 1}` or `cache build --block {block}`"
+        )
+    plans = plan_caches(cfg, block, round_)
+    if all(p.complete for p in plans):
+        log(f"cache refresh: boundary {block} is current ({_fps(plans)}); nothing to do")
+        return {"action": "reused", **_result(plans)}
+    todo = sum(len(p.missing) for p in plans)
+    sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)}
+    store = TokenStore(cfg.data.out_dir)
+    stats = _run_workers(cfg, plans, block, block - 1, sources, store.seq_len, log)
+    _finish(cfg, plans)
+    _log_done(log, "refresh", block, plans, stats, todo, store.seq_len)
+    return {"action": "refreshed", **_result(plans), **stats}
+
+
+def _fps(plans: list[CachePlan]) -> str:
+    return ", ".join(f"{p.split} {p.fingerprint[:12]}" for p in plans)
+
+
+def _result(plans: list[CachePlan]) -> dict:
+    return {"fingerprints": {p.split: p.fingerprint for p in plans}}
+
+
+def _log_done(log, what, block, plans, stats, todo, seq_len) -> None:
+    tok_s = stats["rows"] * seq_len / max(stats["seconds"], 1e-9)
+    log(f"cache {what}: boundary {block}: {stats['shards']}/{todo} shards, {stats['rows']} samples "
+        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s) -> {_fps(plans)}")

@@ -1,0 +1,171 @@
+"""Stage `preinfer bcd`: rounds x blocks in ascending order, each block fed from its cache.
+
+For block K > 0 (mode bcd): reuse the boundary-K cache if its fingerprint matches the
+checkpoint as it is now; else refresh it from boundary K-1 when that cache is current (one
+block of compute); else build it from tokens. Then train block K and commit it. Boundary K-1's
+cache is dropped once boundary K exists unless cache.keep. `<run.dir>/state.json` records
+finished visits, so a killed run resumes at the right block (and, through the visit's own
+state file, at the right step).
+
+--mode full trains every parameter from tokens for rounds x M x max_steps steps (the same
+number of optimizer steps as the BCD rotation); --mode bcd-recompute rotates without caches.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from preinfer.checkpoint import Checkpoint
+from preinfer.config import Config
+from storage.atomic import write_json
+
+
+def _state_path(cfg: Config) -> Path:
+    return Path(cfg.run.dir) / "state.json"
+
+
+def load_state(cfg: Config) -> dict:
+    p = _state_path(cfg)
+    if p.is_file():
+        return json.loads(p.read_text())
+    return {"visits": {}, "caches_in_use": [], "events": []}
+
+
+def save_state(cfg: Config, state: dict) -> None:
+    p = _state_path(cfg)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    write_json(p, state)
+
+
+def _event(cfg: Config, state: dict, **rec) -> None:
+    rec = {"time": time.time(), **rec}
+    state["events"].append(rec)
+    from preinfer.visit import append_metrics
+
+    append_metrics(cfg, {"event": "cache", **rec})
+
+
+def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -> str:
+    """Make the boundary-`block` caches current; returns 'reused', 'refreshed' or 'built'."""
+    from pipelines.preinfer import build_cache, plan_caches, refresh_cache
+    from storage.cache import is_complete
+
+    t0 = time.perf_counter()
+    plans = plan_caches(cfg, block, round_, create=False)
+    if all(p.complete for p in plans):
+        action, fps = "reused", {p.split: p.fingerprint for p in plans}
+    else:
+        prev_ok = block >= 2 and all(
+            is_complete(cfg.cache.root, p.fingerprint)
+            for p in plan_caches(cfg, block - 1, round_, create=False)
+        )
+        res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log)
+        action, fps = res["action"], res["fingerprints"]
+    state["caches_in_use"] = sorted(set(fps.values()))
+    _event(cfg, state, action=action, boundary=block, round=round_, fingerprints=fps,
+           seconds=time.perf_counter() - t0)
+    return action
+
+
+def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> None:
+    """Bounded disk: remove complete caches this run made that it no longer needs."""
+    if cfg.cache.keep:
+        return
+    for ev in state["events"]:
+        for fp in ev.get("fingerprints", {}).values():
+            path = Path(cfg.cache.root) / fp
+            if fp not in keep and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                log(f"  dropped cache {fp[:12]} (no longer needed; cache.keep=false)")
+
+
+def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
+    from pipelines.train import run_train
+
+    mode = mode or cfg.train.mode
+    state = load_state(cfg)
+    if state.get("mode", mode) != mode:
+        raise ValueError(
+            f"{_state_path(cfg)} belongs to a --mode {state['mode']} run; use another run.dir "
+            f"for --mode {mode}"
+        )
+    state["mode"] = mode
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    M = ckpt.num_blocks
+    if mode == "full":
+        plan = [(0, 0)]
+    else:
+        plan = [(r, k) for r in range(cfg.train.rounds) for k in range(M)]
+    results = []
+    for r, k in plan:
+        key = f"r{r}-b{k}"
+        if key in state["visits"]:
+            results.append(state["visits"][key])
+            continue
+        pending = state.get("pending")
+        if pending and pending["key"] == key and pending["start_hash"] != ckpt_hash(cfg):
+            # killed after the visit committed its block but before state.json said so
+            state["visits"][key] = {**_last_visit(cfg), "cache": pending["cache"]}
+            state["pending"] = None
+            save_state(cfg, state)
+            results.append(state["visits"][key])
+            continue
+        action = "tokens"
+        if mode == "bcd" and k > 0:
+            action = ensure_cache(cfg, state, k, r, log=log)
+            drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
+            save_state(cfg, state)
+        state["pending"] = {"key": key, "start_hash": ckpt_hash(cfg), "cache": action}
+        save_state(cfg, state)
+        if mode == "full":
+            steps = cfg.train.max_steps * cfg.train.rounds * M
+            cfg_full = _with_steps(cfg, steps)
+            summary = run_train(cfg_full, 0, r, mode="full", log=log)
+        else:
+            summary = run_train(cfg, k, r, mode=mode, log=log)
+        summary = {**summary, "cache": action}
+        state["visits"][key] = summary
+        state["pending"] = None
+        save_state(cfg, state)
+        results.append(summary)
+        log(f"  round {r} block {k} [{mode}, input: {action}]: {summary.get('steps')} steps, "
+            f"train loss {summary.get('loss', float('nan')):.3f}, "
+            f"val ppl {_ppl(summary.get('val_loss')):.1f}")
+    state["caches_in_use"] = [] if mode != "bcd" else state["caches_in_use"]
+    save_state(cfg, state)
+    return {"mode": mode, "visits": results}
+
+
+def ckpt_hash(cfg: Config) -> str:
+    """Content hash of the whole checkpoint as it is now."""
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    return ckpt.prefix_hash(ckpt.num_blocks)
+
+
+def _last_visit(cfg: Config) -> dict:
+    last = {}
+    path = Path(cfg.run.dir) / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("event") == "visit":
+                last = rec
+    return last
+
+
+def _with_steps(cfg: Config, steps: int) -> Config:
+    import copy
+
+    c = copy.deepcopy(cfg)
+    c.train.max_steps = steps
+    return c
+
+
+def _ppl(loss) -> float:
+    import math
+
+    return math.exp(min(loss, 50.0)) if isinstance(loss, int | float) else float("nan")
+

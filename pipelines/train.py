@@ -1,0 +1,88 @@
+"""Stage `preinfer train --block K`: one block visit, on Ray Train workers or in this process.
+
+train.workers >= 1: a Ray Train `TorchTrainer` with that many workers (DDP over gloo on CPU,
+NCCL on GPU); every rank reads its own part of each global batch and the ranks average
+gradients, so every rank takes the same steps. train.workers = 0: the same loop, no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from preinfer.config import Config, config_from_dict
+from preinfer.confload import ConfigError
+from preinfer.device import resolve_device
+from preinfer.visit import Visit, VisitSpec
+
+
+def visit_spec(cfg: Config, block: int, round_: int, mode: str) -> VisitSpec:
+    """The visit with, for bcd K > 0, the fingerprints of the caches it must read."""
+    spec = VisitSpec(block=block, round=round_, mode=mode)
+    if mode == "bcd" and block > 0:
+        from pipelines.preinfer import plan_caches
+
+        plans = {p.split: p for p in plan_caches(cfg, block, round_, create=False)}
+        missing = [p for p in plans.values() if not p.complete]
+        if missing:
+            raise ConfigError(
+                f"block {block} trains from the boundary-{block} cache, which is not built for the "
+                f"checkpoint as it is now; run `preinfer cache build --block {block}` (or "
+                f"`cache refresh --block {block}`), or train with --mode bcd-recompute"
+            )
+        spec.cache_train, spec.cache_val = plans["train"].fingerprint, plans["val"].fingerprint
+    return spec
+
+
+def _worker_loop(config: dict) -> None:
+    """Ray Train per-worker entry: rebuild from plain data, run the visit, report the summary."""
+    import ray.train
+
+    cfg = config_from_dict(config["cfg"])
+    spec = VisitSpec(**config["spec"])
+    ctx = ray.train.get_context()
+    device = resolve_device(cfg.run.device)
+    if device.type == "cuda":
+        import torch
+
+        device = torch.device("cuda", ctx.get_local_rank())
+    visit = Visit(cfg, spec, device=device, rank=ctx.get_world_rank(), world=ctx.get_world_size())
+    summary = visit.run(log=print)
+    ray.train.report({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
+
+
+def run_train(cfg: Config, block: int, round_: int = 0, *, mode: str | None = None,
+              log=print) -> dict:
+    mode = mode or cfg.train.mode
+    if cfg.model.arch == "bert":
+        raise ConfigError(
+            "model.arch=bert: training needs a masked-LM objective, which preinfer does not "
+            "implement yet; bert models are supported for caching (cache build) and reuse"
+        )
+    spec = visit_spec(cfg, block, round_, mode)
+    workers = cfg.train.workers
+    if workers == 0:
+        return Visit(cfg, spec, device=resolve_device(cfg.run.device)).run(log=log)
+
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipelines.ray_env import ensure_ray, gpus_available
+
+    ensure_ray()
+    use_gpu = cfg.run.device != "cpu" and gpus_available()
+    trainer = TorchTrainer(
+        _worker_loop,
+        train_loop_config={"cfg": cfg.to_dict(), "spec": asdict(spec)},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=workers, use_gpu=use_gpu,
+            resources_per_worker=None if use_gpu else {"CPU": 1},
+        ),
+        run_config=ray.train.RunConfig(
+            name=f"r{round_}-b{block}-{mode}",
+            storage_path=str((Path(cfg.run.dir) / "ray_train").resolve()),
+        ),
+    )
+    result = trainer.fit()
+    return dict(result.metrics or {})

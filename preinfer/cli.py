@@ -1,0 +1,185 @@
+"""`preinfer` command line: parse, build, run. Each subcommand's work lives in pipelines/ or storage/.
+
+    preinfer tokenize --config configs/demo.yaml --set data.seq_len=64
+    preinfer cache build --block 2 --config configs/demo.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+MODES = ("bcd", "full", "bcd-recompute")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None, help="YAML config (see configs/)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set train.lr=0.01",
+    )
+
+
+def _block(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block", "-k", type=int, required=True, help="block index K (0-based)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="preinfer", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("tokenize", help="corpus -> tokenizer -> packed train/val token store")
+    _common(p)
+    p.add_argument("--force", action="store_true", help="replace a store built from other inputs")
+
+    p = sub.add_parser("init", help="model (random init or local checkpoint) -> per-block checkpoint")
+    _common(p)
+    p.add_argument("--force", action="store_true", help="replace a different existing checkpoint")
+
+    p = sub.add_parser("eval", help="val loss and perplexity of the checkpoint")
+    _common(p)
+    p.add_argument("--batches", type=int, default=0, help="val batches (0 = all)")
+
+    p = sub.add_parser("demo", help="the whole pipeline on the built-in corpus, printing what it did")
+    _common(p)
+
+    p = sub.add_parser("config", help="print the resolved config (with field docs)")
+    _common(p)
+
+    p = sub.add_parser("train", help="one visit of block K (Ray Train workers or in-process)")
+    _common(p)
+    _block(p)
+    p.add_argument("--round", type=int, default=0, help="rotation round (data order, sampling)")
+    p.add_argument("--mode", choices=MODES, default=None, help="default: train.mode")
+
+    p = sub.add_parser("bcd", help="the rotation: rounds x blocks, caches reused/refreshed/built")
+    _common(p)
+    p.add_argument("--mode", choices=MODES, default=None, help="default: train.mode")
+
+    cache = sub.add_parser("cache", help="build, refresh and manage activation caches")
+    csub = cache.add_subparsers(dest="cache_cmd", required=True, metavar="CACHE_COMMAND")
+    for name, text in (("build", "hidden states entering block K, from tokens (Ray job)"),
+                       ("refresh", "boundary K from a current boundary K-1 cache through block K-1")):
+        p = csub.add_parser(name, help=text)
+        _common(p)
+        _block(p)
+        p.add_argument("--round", type=int, default=0, help="rotation round (decides sampled subsets)")
+    p = csub.add_parser("ls", help="list caches under a root")
+    _common(p)
+    p.add_argument("root", nargs="?", default=None, help="cache root (default: the config's)")
+    for name, text in (("inspect", "show one cache's manifest"),
+                       ("verify", "recompute checksums; non-zero exit on any bad shard")):
+        p = csub.add_parser(name, help=text)
+        _common(p)
+        p.add_argument("fingerprint")
+        p.add_argument("--root", default=None, help="cache root (default: the config's)")
+    p = csub.add_parser("gc", help="remove incomplete caches and caches no run refers to")
+    _common(p)
+    p.add_argument("--root", default=None, help="cache root (default: the config's)")
+    p.add_argument("--run", action="append", default=[], help="run dir whose caches are kept")
+    p.add_argument("--dry-run", action="store_true")
+    return ap
+
+
+def _load(args):
+    from preinfer.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _cmd_config(args) -> int:
+    cfg = _load(args)
+    print(cfg.to_json())
+    return 0
+
+
+def _cmd_tokenize(args) -> int:
+    from pipelines.tokenize import run_tokenize
+
+    run_tokenize(_load(args), force=args.force)
+    return 0
+
+
+def _cmd_init(args) -> int:
+    from pipelines.init import run_init
+
+    run_init(_load(args), force=args.force)
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from pipelines.evaluate import run_eval
+
+    res = run_eval(_load(args), max_batches=args.batches)
+    print(json.dumps(res))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from pipelines.demo import run_demo
+
+    run_demo(_load(args))
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from pipelines.train import run_train
+
+    res = run_train(_load(args), args.block, args.round, mode=args.mode)
+    print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}))
+    return 0
+
+
+def _cmd_bcd(args) -> int:
+    from pipelines.rotate import run_bcd
+
+    run_bcd(_load(args), mode=args.mode)
+    return 0
+
+
+def _cmd_cache(args) -> int:
+    from pipelines import cache_cli
+
+    return cache_cli.main(args, _load(args))
+
+
+COMMANDS = {
+    "config": _cmd_config,
+    "tokenize": _cmd_tokenize,
+    "init": _cmd_init,
+    "eval": _cmd_eval,
+    "demo": _cmd_demo,
+    "cache": _cmd_cache,
+    "train": _cmd_train,
+    "bcd": _cmd_bcd,
+}
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input: printed as one clear line, exit code 2."""
+    from preinfer.confload import ConfigError
+    from storage.tokens import TokenStoreError
+
+    errs: list[type[BaseException]] = [ConfigError, TokenStoreError, FileNotFoundError]
+    for mod, name in (("preinfer.checkpoint", "CheckpointError"), ("storage.cache", "CacheError")):
+        with contextlib.suppress(ImportError, AttributeError):
+            errs.append(getattr(__import__(mod, fromlist=[name]), name))
+    return tuple(errs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except user_errors() as e:
+        print(f"preinfer {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"preinfer {args.cmd}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

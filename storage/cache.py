@@ -1,0 +1,435 @@
+"""The activation cache writer (see DESIGN.md, "The activation cache (contract)").
+
+    <root>/<fingerprint>/
+      hidden.zarr/        Zarr v3 [N, S, H]; chunk (1, S, H); shard (R, S, H), R from shard_mb
+      scale.zarr/         [N, S] float32 per-token scales (lossy dtypes only)
+      samples.parquet     sample_id int64, input_ids list<int32> [S], labels list<int32> [S];
+                          one row group per shard (R rows), so a shard's labels are one read
+      build.json          the caller's meta at creation (informational, for `cache ls`)
+      done/<i:05d>.json   marker of committed shard i: rows, sha256 + bytes of its files, stats
+      manifest.json       written LAST, after every marker: its presence means complete
+
+A writer task owns whole shards. A shard is encoded in memory with exactly the array's Zarr
+metadata (so its bytes are what Zarr itself would store, and Zarr never reads an old shard
+first), written aside as `<key>.<host>.<pid>.<tok>.partial`, and os.replace'd onto its key;
+then its marker. Encoding is deterministic, so a retried task writes identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from preinfer.fingerprint import CACHE_FORMAT_VERSION
+from storage import atomic, codecs
+from storage.atomic import dir_bytes, human, sha256_file
+from storage.config import CacheConfig
+
+HIDDEN, SCALE, SAMPLES, BUILD, DONE, MANIFEST = (
+    "hidden.zarr",
+    "scale.zarr",
+    "samples.parquet",
+    "build.json",
+    "done",
+    "manifest.json",
+)
+
+
+class CacheError(Exception):
+    """The activation cache is missing, wrong or cannot be written; the message says what to do."""
+
+
+class CacheIncomplete(CacheError):
+    """No manifest: the build did not finish (some shards missing)."""
+
+
+class CacheCorrupt(CacheError):
+    """Stored bytes do not match their recorded checksum, or a cache file is unreadable."""
+
+
+class FingerprintMismatch(CacheError):
+    """The cache holds other activations than the caller expects."""
+
+
+# ------------------------------------------------------------------------- small helpers
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CacheCorrupt(f"{what} {path} is unreadable ({e}); delete it and rebuild") from None
+
+
+def rows_per_shard(seq_len: int, hidden_size: int, dtype: str, shard_mb: float) -> int:
+    """Rows R per shard so that one shard holds about `shard_mb` MiB of stored values."""
+    row = seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
+    return max(1, int(shard_mb * 2**20) // row)
+
+
+def estimate_cache_bytes(n: int, seq_len: int, hidden_size: int, dtype: str) -> int:
+    """Upper bound of a cache's size on disk (uncompressed values + scales + samples + index)."""
+    values = n * seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
+    scale = n * seq_len * 4 if codecs.is_lossy(dtype) else 0
+    samples = n * (8 + 2 * 4 * seq_len)
+    return int(values * 1.01) + scale + samples + n * 32 + (1 << 16)
+
+
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem of `path` (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _to_numpy(a: Any) -> np.ndarray:
+    return a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+
+def samples_arrays(samples: Any, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pyarrow.Table | dict | (sample_id, input_ids, labels) -> int64 [N], int32 [N,S] x 2."""
+    if isinstance(samples, pa.Table):
+        missing = {"sample_id", "input_ids", "labels"} - set(samples.column_names)
+        if missing:
+            raise CacheError(f"samples table lacks column(s) {sorted(missing)}")
+        cols = []
+        for name in ("input_ids", "labels"):
+            col = samples.column(name).combine_chunks()
+            lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+            if len(lens) and (lens.min() != seq_len or lens.max() != seq_len):
+                raise CacheError(f"samples.{name}: every row must hold seq_len={seq_len} ids")
+            cols.append(pc.list_flatten(col).to_numpy().reshape(-1, seq_len))
+        sid, ids, labels = samples.column("sample_id").to_numpy(), *cols
+    elif isinstance(samples, dict):
+        sid, ids, labels = (_to_numpy(samples[k]) for k in ("sample_id", "input_ids", "labels"))
+    elif isinstance(samples, tuple | list) and len(samples) == 3:
+        sid, ids, labels = (_to_numpy(a) for a in samples)
+    else:
+        raise CacheError(
+            "samples must be a pyarrow.Table, a dict or a (sample_id, input_ids, labels) tuple, "
+            f"got {type(samples).__name__}"
+        )
+    n = len(sid)
+    for name, a in (("input_ids", ids), ("labels", labels)):
+        if a.shape != (n, seq_len) or not np.issubdtype(a.dtype, np.integer):
+            raise CacheError(
+                f"samples.{name} must be integers of shape ({n}, {seq_len}) (one row per "
+                f"sample_id, seq_len ids each), got {a.dtype} {a.shape}"
+            )
+        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+            raise CacheError(f"samples.{name} has values outside int32")
+    if n == 0 or sid.ndim != 1 or not np.issubdtype(sid.dtype, np.integer):
+        raise CacheError(
+            f"samples.sample_id must be a non-empty 1-D integer array, got {sid!r:.80}"
+        )
+    if len(np.unique(sid)) != n:
+        raise CacheError("samples.sample_id has duplicates; each sample must appear once")
+    return sid.astype(np.int64), ids.astype(np.int32), labels.astype(np.int32)
+
+
+def samples_table(sid: np.ndarray, ids: np.ndarray, labels: np.ndarray) -> pa.Table:
+    n, s = ids.shape
+    offsets = pa.array(np.arange(0, n * s + 1, s, dtype=np.int32))
+
+    def lists(a):
+        return pa.ListArray.from_arrays(offsets, pa.array(a.reshape(-1), type=pa.int32()))
+
+    return pa.table(
+        {"sample_id": pa.array(sid, pa.int64()), "input_ids": lists(ids), "labels": lists(labels)}
+    )
+
+
+def check_marker(cache_dir: Path, marker: dict, *, verify: bool = True) -> str | None:
+    """None if every file of the marker exists with its size (and sha256 if verify); else why."""
+    for rel, want in marker["files"].items():
+        p = cache_dir / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != want["bytes"]:
+            return f"{rel} has {p.stat().st_size} bytes, marker says {want['bytes']}"
+        if verify and sha256_file(p)[0] != want["sha256"]:
+            return f"{rel} sha256 differs from its done marker (bytes changed on disk)"
+    return None
+
+
+# ------------------------------------------------------------------------------ the writer
+
+
+class CacheWriter:
+    """Writes (or resumes) one cache. Make it with `CacheWriter.create(...)`."""
+
+    def __init__(self, cache_dir: Path, header: dict, meta: dict, jsons: dict[str, bytes]):
+        self.dir = cache_dir
+        self.header = header  # shape, dtype, codec, rows per shard (also in hidden.zarr attrs)
+        self.meta = meta
+        self._json = jsons  # array name -> zarr.json bytes
+        self._good: dict[int, dict] = {}  # shards known committed by this writer -> marker
+
+    @classmethod
+    def create(
+        cls,
+        root: str | Path,
+        fingerprint: str,
+        *,
+        samples: Any,
+        seq_len: int,
+        hidden_size: int,
+        cache_cfg: CacheConfig,
+        meta: dict,
+        free_bytes: int | None = None,
+    ) -> CacheWriter:
+        """Create `<root>/<fingerprint>/`, or open it for resume when its header matches.
+
+        Raises CacheError when an existing cache has another header (shape/dtype/codec/shard
+        rows), other samples, or when the estimated size exceeds free disk (`free_bytes`
+        overrides the measured figure; tests use it).
+        """
+        if not fingerprint or "/" in fingerprint or fingerprint.startswith("."):
+            raise CacheError(f"bad cache fingerprint {fingerprint!r}: need a plain directory name")
+        for name, v in (("seq_len", seq_len), ("hidden_size", hidden_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise CacheError(f"{name} must be a positive int, got {v!r}")
+        try:
+            meta_blob = json.loads(json.dumps(meta))
+        except (TypeError, ValueError) as e:
+            raise CacheError(f"cache meta must be JSON-serializable: {e}") from None
+        sid, ids, labels = samples_arrays(samples, seq_len)
+        n, dtype = len(sid), cache_cfg.dtype
+        rows = min(n, rows_per_shard(seq_len, hidden_size, dtype, cache_cfg.shard_mb))
+        header = {
+            "format_version": CACHE_FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "num_samples": n,
+            "seq_len": seq_len,
+            "hidden_size": hidden_size,
+            "rows_per_shard": rows,
+            "num_shards": -(-n // rows),
+            "dtype": dtype,
+            "stored_dtype": codecs.stored_dtype(dtype).name,
+            "codec": cache_cfg.codec,
+            "shuffle": cache_cfg.shuffle,
+            "level": cache_cfg.level,
+        }
+        try:
+            jsons = {
+                HIDDEN: codecs.array_json(
+                    (n, seq_len, hidden_size),
+                    rows,
+                    codecs.stored_dtype(dtype),
+                    cache_cfg,
+                    {"preinfer": header},
+                )
+            }
+            if codecs.is_lossy(dtype):
+                jsons[SCALE] = codecs.array_json(
+                    (n, seq_len),
+                    rows,
+                    np.dtype("float32"),
+                    cache_cfg,
+                    {"preinfer": {"scale_of": HIDDEN}},
+                )
+        except codecs.CodecError as e:
+            raise CacheError(str(e)) from None
+        cache_dir = Path(root) / fingerprint
+        for name, blob in jsons.items():
+            p = cache_dir / name / "zarr.json"
+            if p.exists() and p.read_bytes() != blob:
+                old = json.loads(p.read_bytes()).get("attributes", {}).get("preinfer", {})
+                diff = {k: (old.get(k), header.get(k)) for k in header if old.get(k) != header[k]}
+                raise CacheError(
+                    f"cache {cache_dir} exists with another layout ({name}); differing "
+                    f"(existing, requested): {diff or 'codec metadata'}. Same fingerprint must "
+                    "mean same layout: delete the directory or fix the fingerprint inputs"
+                )
+        if not (cache_dir / MANIFEST).exists():
+            need = max(
+                0, estimate_cache_bytes(n, seq_len, hidden_size, dtype) - dir_bytes(cache_dir)
+            )
+            free = free_disk_bytes(cache_dir) if free_bytes is None else int(free_bytes)
+            if need > free:
+                raise CacheError(
+                    f"cache {fingerprint} needs up to {need} bytes ({human(need)}) but only "
+                    f"{free} bytes ({human(free)}) are free at {cache_dir}; free space "
+                    "(`preinfer cache gc`), move cache.root, or pick a smaller cache.dtype"
+                )
+        for name, blob in jsons.items():
+            if not (cache_dir / name / "zarr.json").exists():
+                atomic.write_bytes(cache_dir / name / "zarr.json", blob)
+        sp = cache_dir / SAMPLES
+        if sp.exists():
+            try:
+                old = samples_arrays(pq.read_table(sp), seq_len)
+            except (OSError, pa.ArrowException, CacheError) as e:
+                raise CacheCorrupt(f"{sp} is unreadable ({e}); delete it and rerun") from None
+            if not all(np.array_equal(a, b) for a, b in zip(old, (sid, ids, labels), strict=True)):
+                raise CacheError(
+                    f"{sp} holds other samples than this build (sample ids, input ids or labels "
+                    "differ) under the same fingerprint; the token fingerprint is wrong or the "
+                    "directory is stale: delete it and rebuild"
+                )
+        else:
+            buf = pa.BufferOutputStream()
+            pq.write_table(samples_table(sid, ids, labels), buf, row_group_size=rows)
+            atomic.write_bytes(sp, buf.getvalue().to_pybytes())
+        if not (cache_dir / BUILD).exists():
+            atomic.write_json(cache_dir / BUILD, {"header": header, "meta": meta_blob})
+        (cache_dir / DONE).mkdir(exist_ok=True)
+        atomic.clean_partials(cache_dir)
+        return cls(cache_dir, header, meta_blob, jsons)
+
+    # ----------------------------------------------------------------------- shards
+
+    @property
+    def num_shards(self) -> int:
+        return self.header["num_shards"]
+
+    def shard_range(self, i: int) -> tuple[int, int]:
+        """Rows [start, stop) of shard i."""
+        if not isinstance(i, int | np.integer) or not 0 <= i < self.num_shards:
+            raise CacheError(f"shard index {i!r} out of range 0..{self.num_shards - 1}")
+        r = self.header["rows_per_shard"]
+        return int(i) * r, min((int(i) + 1) * r, self.header["num_samples"])
+
+    def marker_path(self, i: int) -> Path:
+        return self.dir / DONE / f"{i:05d}.json"
+
+    def _marker(self, i: int, *, verify: bool) -> dict | None:
+        """Marker of shard i if the shard is committed (files match it), else None."""
+        if i in self._good:
+            return self._good[i]
+        try:
+            marker = read_json(self.marker_path(i), "done marker")
+        except (FileNotFoundError, CacheCorrupt):
+            return None  # a bad marker = shard not done; rewriting it repairs both
+        if check_marker(self.dir, marker, verify=verify) is not None:
+            return None
+        self._good[i] = marker
+        return marker
+
+    def missing_shards(self, *, verify: bool = True) -> list[int]:
+        """Shards without a marker whose files match (sha256 too unless verify=False)."""
+        return [i for i in range(self.num_shards) if self._marker(i, verify=verify) is None]
+
+    def write_shard(self, i: int, hidden: Any) -> dict:
+        """Encode and commit shard i from hidden [stop-start, S, H] fp32/fp16/bf16 values.
+
+        Returns the shard's marker. Rewriting a shard with the same values writes the same
+        bytes. On a complete cache, only an identical rewrite is accepted (then a no-op).
+        """
+        start, stop = self.shard_range(i)
+        h = self.header
+        want = (stop - start, h["seq_len"], h["hidden_size"])
+        if tuple(getattr(hidden, "shape", ())) != want:
+            raise CacheError(
+                f"shard {i} covers rows [{start}, {stop}) and needs hidden of shape {want} "
+                f"(rows, seq_len, hidden_size), got {tuple(getattr(hidden, 'shape', ()))}"
+            )
+        try:
+            stored, scale = codecs.encode(hidden, h["dtype"])
+        except codecs.CodecError as e:
+            raise CacheError(f"shard {i} (rows {start}..{stop}): {e}") from None
+        given = codecs._as_float_tensor(hidden)
+        decoded = codecs.decode(stored, scale, h["dtype"], torch.float32)
+        exact = not codecs.is_lossy(h["dtype"]) and given.dtype == codecs.LOGICAL_TORCH[h["dtype"]]
+        blobs = {
+            f"{HIDDEN}/{codecs.shard_key(i, 3)}": codecs.encode_shard(
+                self._json[HIDDEN], i, start, stored
+            )
+        }
+        if scale is not None:
+            blobs[f"{SCALE}/{codecs.shard_key(i, 2)}"] = codecs.encode_shard(
+                self._json[SCALE], i, start, scale
+            )
+        marker = {
+            "shard": i,
+            "start": start,
+            "stop": stop,
+            "files": {
+                rel: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)}
+                for rel, b in blobs.items()
+            },
+            "stats": codecs.shard_stats(decoded, None if exact else given.float()),
+        }
+        manifest = self.dir / MANIFEST
+        if manifest.exists():
+            done = read_json(manifest, "manifest").get("shards", [])
+            if i < len(done) and done[i]["files"] == marker["files"]:
+                return marker
+            raise CacheError(
+                f"cache {self.dir} is complete and shard {i} would get other bytes than it "
+                "holds; a complete cache is immutable (delete it to rebuild)"
+            )
+        for rel, blob in blobs.items():
+            atomic.write_bytes(self.dir / rel, blob)
+        atomic.write_json(self.marker_path(i), marker)
+        self._good[i] = marker
+        return marker
+
+    # ----------------------------------------------------------------------- finalize
+
+    def finalize(self, *, verify: bool = True) -> dict:
+        """Check every shard's marker (and checksum), then write manifest.json; returns it.
+
+        Idempotent; concurrent finalizers each write a complete manifest via their own temp
+        file and os.replace, so one valid manifest remains.
+        """
+        mp = self.dir / MANIFEST
+        if mp.exists():
+            return read_json(mp, "manifest")
+        missing = self.missing_shards(verify=verify)
+        if missing:
+            raise CacheIncomplete(
+                f"cannot finalize {self.dir}: {len(missing)} of {self.num_shards} shards are "
+                f"not written or do not match their marker: {missing[:20]}"
+                f"{' ...' if len(missing) > 20 else ''}; write them (rerun the build) first"
+            )
+        markers = [self._good[i] for i in range(self.num_shards)]
+        manifest = build_manifest(self.dir, self.header, self.meta, markers)
+        atomic.write_json(mp, manifest)
+        return manifest
+
+
+def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict]) -> dict:
+    n, s, hs = header["num_samples"], header["seq_len"], header["hidden_size"]
+    stats, error = codecs.combine_stats([m["stats"] for m in markers])
+    value_bytes = sum(f["bytes"] for m in markers for f in m["files"].values())
+    others = {
+        rel: sha256_file(cache_dir / rel)
+        for rel in (SAMPLES, f"{HIDDEN}/zarr.json", f"{SCALE}/zarr.json")
+        if (cache_dir / rel).exists()
+    }
+    raw = n * s * hs * codecs.stored_dtype(header["dtype"]).itemsize
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "fingerprint": header["fingerprint"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "meta": meta,
+        "header": header,
+        "num_samples": n,
+        "seq_len": s,
+        "hidden_size": hs,
+        "dtype": header["dtype"],
+        "codec": {k: header[k] for k in ("codec", "shuffle", "level")},
+        "shards": [{k: m[k] for k in ("shard", "start", "stop", "files")} for m in markers],
+        "files": {rel: {"sha256": d, "bytes": b} for rel, (d, b) in others.items()},
+        "stats": stats,
+        "error": error,
+        "total_bytes": value_bytes + sum(b for _, b in others.values()),
+        "value_bytes": value_bytes,
+        "bytes_per_value": value_bytes / (n * s * hs),
+        "compression_ratio": raw / value_bytes,  # vs the stored dtype uncompressed
+        "ratio_vs_bf16": 2 * n * s * hs / value_bytes,
+    }

@@ -1,0 +1,160 @@
+"""Cache management for `preinfer cache ls/inspect/verify/gc`: plain functions returning data.
+
+A directory under the root counts as a cache when it holds hidden.zarr/, done/ or
+manifest.json; anything else under the root is never touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from storage import atomic
+from storage.atomic import dir_bytes
+from storage.cache import (
+    BUILD,
+    DONE,
+    HIDDEN,
+    MANIFEST,
+    CacheError,
+    CacheIncomplete,
+    read_json,
+)
+from storage.reader import open_cache
+
+# An incomplete cache touched more recently than this may still be being built: gc keeps it.
+GC_GRACE_S = 3600.0
+
+
+def _cache_dirs(root: str | Path) -> list[Path]:
+    r = Path(root)
+    if not r.is_dir():
+        raise CacheError(f"cache root {r} does not exist (nothing built there yet?)")
+    return sorted(
+        d
+        for d in r.iterdir()
+        if d.is_dir() and any((d / x).exists() for x in (HIDDEN, DONE, MANIFEST))
+    )
+
+
+def _meta_fields(meta: dict) -> dict:
+    """boundary / model / tokens / split from a cache's meta dict, whatever its nesting."""
+    model = meta.get("model")
+    if isinstance(model, dict):
+        model = model.get("name") or model.get("model_type") or model.get("arch")
+    tokens = meta.get("tokens", meta.get("token_fingerprint"))
+    return {
+        "boundary": meta.get("boundary"),
+        "model": model,
+        "tokens": tokens[:12] if isinstance(tokens, str) else tokens,
+        "split": meta.get("split"),
+    }
+
+
+def _summary(d: Path) -> dict:
+    row = {"fingerprint": d.name, "complete": (d / MANIFEST).exists(), "size_bytes": dir_bytes(d)}
+    try:
+        if row["complete"]:
+            m = read_json(d / MANIFEST, "manifest")
+            header, meta = m["header"], m.get("meta") or {}
+            row.update(compression_ratio=m.get("compression_ratio"), created=m.get("created"))
+        else:
+            b = read_json(d / BUILD, "build file")
+            header, meta = b["header"], b.get("meta") or {}
+            row.update(compression_ratio=None, created=None)
+    except (FileNotFoundError, CacheError, KeyError):
+        header, meta = {}, {}
+        row.update(compression_ratio=None, created=None)
+    done = len(list((d / DONE).glob("*.json"))) if (d / DONE).is_dir() else 0
+    row.update(
+        _meta_fields(meta),
+        N=header.get("num_samples"),
+        dtype=header.get("dtype"),
+        done_shards=done,
+        total_shards=header.get("num_shards"),
+    )
+    return row
+
+
+def list_caches(root: str | Path) -> list[dict]:
+    """One row per cache: fingerprint, boundary, model, tokens, split, N, dtype, size_bytes,
+    compression_ratio, complete, done_shards / total_shards, created."""
+    return [_summary(d) for d in _cache_dirs(root)]
+
+
+def inspect_cache(root: str | Path, fingerprint: str) -> dict:
+    """Manifest summary of one cache (without the per-shard list); incomplete: what is known."""
+    d = Path(root) / fingerprint
+    if not (d / MANIFEST).exists():
+        if not d.is_dir():
+            raise CacheIncomplete(f"no cache {fingerprint} under {root}")
+        return {**_summary(d), "status": "incomplete (no manifest)"}
+    m = read_json(d / MANIFEST, "manifest")
+    out = {k: v for k, v in m.items() if k not in ("shards", "files")}
+    out.update(status="complete", num_shards=len(m["shards"]), size_on_disk=dir_bytes(d))
+    return out
+
+
+def verify_cache(root: str | Path, fingerprint: str) -> list[tuple[int, str]]:
+    """Recompute all checksums: [(shard, reason)] of bad shards (-1: samples/metadata)."""
+    return open_cache(root, fingerprint).verify()
+
+
+def gc_caches(
+    root: str | Path, keep: set[str], dry_run: bool = True, *, grace_s: float = GC_GRACE_S
+) -> list[tuple[str, str, int]]:
+    """Remove incomplete caches and complete ones not in `keep`; [(fp, reason, bytes)].
+
+    Never removes a fingerprint in `keep`. An incomplete cache modified within `grace_s`
+    seconds is left alone (a build may be writing it). Stale `*.partial` temp files are
+    removed everywhere, kept caches included. dry_run=True only reports.
+    """
+    out = []
+    now = time.time()
+    for d in _cache_dirs(root):
+        fp = d.name
+        complete = (d / MANIFEST).exists()
+        if fp in keep or (not complete and now - _newest_mtime(d) < grace_s):
+            parts = atomic.clean_partials(d, dry_run=dry_run)
+            if parts:
+                out.append((fp, f"{len(parts)} stale .partial file(s)", sum(b for _, b in parts)))
+            continue
+        reason = "not in keep set" if complete else "incomplete (no manifest)"
+        size = dir_bytes(d)
+        if not dry_run:
+            shutil.rmtree(d, ignore_errors=True)
+        out.append((fp, reason, size))
+    return out
+
+
+def _newest_mtime(d: Path) -> float:
+    return max((p.stat().st_mtime for p in d.rglob("*")), default=d.stat().st_mtime)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Rows as an aligned plain-text table (size_bytes shown in MiB)."""
+    if not rows:
+        return "(no caches)"
+    cols = columns or list(rows[0])
+    cells = [
+        [
+            _fmt(r.get(c) / 2**20 if c == "size_bytes" and r.get(c) is not None else r.get(c))
+            for c in cols
+        ]
+        for r in rows
+    ]
+    heads = [("size_MiB" if c == "size_bytes" else c) for c in cols]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(heads)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
+    return "\n".join([line(heads), line(["-" * w for w in widths])] + [line(r) for r in cells])

@@ -1,0 +1,70 @@
+"""A tiny run (tokens + checkpoint) built once per session and copied per test."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from preinfer.config import load_config
+
+TINY = [
+    "model.arch=gpt2",
+    "model.vocab_size=320",
+    "model.hidden_size=32",
+    "model.num_layers=4",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.max_documents=8",
+    "data.vocab_size=300",
+    "data.seq_len=16",
+    "data.val_fraction=0.25",
+    "data.shard_rows=500",
+    "partition.num_blocks=3",
+    "cache.dtype=fp32",
+    "cache.shard_mb=0.05",
+    "cache.codec=zstd",
+    "cache.shuffle=none",
+    "preinfer.actors=2",
+    "preinfer.micro_batch=32",
+    "train.batch_size=8",
+    "train.max_steps=6",
+    "train.warmup_steps=2",
+    "train.eval_every=3",
+    "train.eval_batches=2",
+    "train.workers=0",
+    "train.lr=0.003",
+    "train.checkpoint_every=2",
+]
+
+
+def tiny_cfg(run_dir, *extra):
+    return load_config("configs/demo.yaml", [f"run.dir={run_dir}", *TINY, *extra])
+
+
+def quiet(*a, **k):
+    pass
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    from pipelines.init import run_init
+    from pipelines.tokenize import run_tokenize
+
+    base = tmp_path_factory.mktemp("tiny_base")
+    cfg = tiny_cfg(base)
+    run_tokenize(cfg, log=quiet)
+    run_init(cfg, log=quiet)
+    return base
+
+
+@pytest.fixture
+def tiny_run(tiny_base, tmp_path):
+    """A fresh copy of the tiny run's tokens + checkpoint; returns a factory of configs."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_base, run)
+
+    def make(*extra):
+        return tiny_cfg(run, *extra)
+
+    return make

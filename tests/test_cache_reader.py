@@ -1,0 +1,188 @@
+"""Activation cache readers: refusals, corruption, HF view, DDP/worker splits."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from storage import codecs
+from storage.cache import CacheCorrupt, CacheIncomplete, CacheWriter, FingerprintMismatch
+from storage.config import CacheConfig
+from storage.reader import CacheDataset, hf_to_torch, open_cache, rank_pieces, to_hf_dataset
+from storage.tools import verify_cache
+
+N, S, H, R = 40, 8, 16, 8  # 5 shards of 8 rows
+
+
+def build(root, fp="fp", dtype="bf16", n=N, rows=R, finalize=True, meta=None):
+    item = codecs.stored_dtype(dtype).itemsize
+    c = CacheConfig(dtype=dtype, codec="zstd", shuffle="none", shard_mb=rows * S * H * item / 2**20)
+    labels = np.tile(np.arange(n)[:, None], (1, S))  # label = row id: tests can track rows
+    w = CacheWriter.create(
+        root,
+        fp,
+        samples=(np.arange(n) + 1000, labels, labels),
+        seq_len=S,
+        hidden_size=H,
+        cache_cfg=c,
+        meta=meta or {"boundary": 1, "split": "train"},
+    )
+    x = torch.randn(n, S, H, generator=torch.Generator().manual_seed(0)) * 4
+    x = x.to(torch.bfloat16) if dtype == "bf16" else x
+    for i in range(w.num_shards):
+        w.write_shard(i, x[slice(*w.shard_range(i))])
+    if finalize:
+        w.finalize()
+    return x
+
+
+def test_flipped_byte_is_named_and_refused(tmp_path):
+    build(tmp_path)
+    shard = tmp_path / "fp/hidden.zarr/c/3/0/0"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    bad = verify_cache(tmp_path, "fp")
+    assert [i for i, _ in bad] == [3] and "checksum" in bad[0][1]
+    with pytest.raises(CacheCorrupt, match="shard 3"):
+        open_cache(tmp_path, "fp", verify=True)
+    c = open_cache(tmp_path, "fp")  # cheap open; the read itself refuses
+    c.read_shard(2)
+    with pytest.raises(CacheCorrupt, match="shard 3"):
+        c.read_shard(3)
+    with pytest.raises(CacheCorrupt, match="shard 3"):
+        c.read_rows(20, 26)  # a slice reaching into shard 3
+    (tmp_path / "fp/samples.parquet").write_bytes(b"x" * 10)
+    with pytest.raises(CacheCorrupt, match="samples.parquet"):
+        open_cache(tmp_path, "fp")
+
+
+def test_missing_manifest_is_refused_with_progress(tmp_path):
+    with pytest.raises(CacheIncomplete, match="no cache at"):
+        open_cache(tmp_path, "nope")
+    build(tmp_path, finalize=False)
+    (tmp_path / "fp/done/00004.json").unlink()
+    with pytest.raises(CacheIncomplete, match=r"4 of 5 shards done.*rerun"):
+        open_cache(tmp_path, "fp")
+
+
+def test_fingerprint_mismatch_is_refused_with_differences(tmp_path):
+    build(tmp_path, "fpA", meta={"boundary": 1, "split": "train", "model": {"layers": 4}})
+    build(tmp_path, "fpB", meta={"boundary": 2, "split": "train", "model": {"layers": 4}})
+    with pytest.raises(
+        FingerprintMismatch,
+        match=r"expected 'fpB', found 'fpA'.*boundary: "
+        r"expected 2, found 1",
+    ):
+        open_cache(tmp_path, "fpA", expected_fingerprint="fpB")
+    with pytest.raises(FingerprintMismatch, match=r"model.layers: expected 6, found 4"):
+        open_cache(
+            tmp_path,
+            "fpA",
+            expected_fingerprint="fpC",
+            expected_meta={"boundary": 1, "split": "train", "model": {"layers": 6}},
+        )
+    (tmp_path / "fpA").rename(tmp_path / "renamed")  # manifest no longer matches its directory
+    with pytest.raises(FingerprintMismatch, match="manifest 'fpA'"):
+        open_cache(tmp_path, "renamed")
+    assert open_cache(tmp_path, "fpB", expected_fingerprint="fpB").num_samples == N
+
+
+def test_bad_row_ranges(tmp_path):
+    build(tmp_path)
+    c = open_cache(tmp_path / "fp", None)  # a cache directory directly
+    for a, b in ((5, 5), (-1, 3), (30, 41)):
+        with pytest.raises(Exception, match="contiguous slice"):
+            c.read_rows(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8", "fp8_e4m3"])
+def test_hf_view_is_bit_exact(tmp_path, dtype):
+    build(tmp_path, dtype=dtype)
+    c = open_cache(tmp_path, "fp")
+    ds = to_hf_dataset(c)
+    assert len(ds) == N
+    stored_type = ds.data.schema.field("hidden").type.storage_type
+    assert stored_type.value_type.value_type == pa.from_numpy_dtype(codecs.stored_dtype(dtype))
+    hidden, labels, sids = c.read_rows(0, N, dtype=None)
+    stored, _ = c.read_stored(0, N)
+    arrow_hidden = np.asarray(ds.data.column("hidden").to_pylist(), dtype=stored.dtype)
+    assert np.array_equal(arrow_hidden.view(np.uint8), stored.view(np.uint8))
+    batch = ds.with_format("numpy")[:]  # HF widens ints to int64 here
+    got = hf_to_torch(batch["hidden"], dtype, batch.get("scale"))
+    assert got.dtype == hidden.dtype
+    if dtype == "bf16":
+        assert torch.equal(got.view(torch.int16), hidden.view(torch.int16))
+        row = ds.with_format("torch")[7]["hidden"]  # the documented recipe, one row
+        assert torch.equal(row.to(torch.int16).view(torch.bfloat16), hidden[7])
+    assert torch.equal(got, hidden)
+    assert np.array_equal(batch["labels"], labels.numpy())
+    assert np.array_equal(batch["sample_id"], sids.numpy())
+
+
+def _rows(batches):
+    return [b[1][:, 0].tolist() for b in batches]  # label[:, 0] = row id
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ddp_split_equal_steps_disjoint_rows(tmp_path, world, drop_last):
+    x = build(tmp_path, n=37, rows=6)  # 7 shards, last one short
+    c = open_cache(tmp_path, "fp")
+    per_rank, steps = [], []
+    for r in range(world):
+        ds = CacheDataset(
+            c,
+            4,
+            shuffle=True,
+            seed=1,
+            rank=r,
+            world_size=world,
+            buffer_size=5,
+            dtype=torch.bfloat16,
+            drop_last=drop_last,
+        )
+        ds.set_epoch(3)
+        batches = list(ds)
+        steps.append(len(batches))
+        assert len(batches) == len(ds)
+        for h, lab in batches:
+            assert h.dtype == torch.bfloat16 and lab.dtype == torch.long
+            assert torch.equal(h, x[lab[:, 0]])  # hidden and labels stay paired
+        per_rank.append([i for b in _rows(batches) for i in b])
+    assert len(set(steps)) == 1  # every rank takes the same number of steps
+    lens = [len(r) for r in per_rank]
+    assert len(set(lens)) == 1  # same rows (hence same steps) on every rank
+    flat = [i for r in per_rank for i in r]
+    if drop_last:
+        assert len(flat) == len(set(flat))  # disjoint
+        assert len(flat) >= 37 - world * 4  # at most one batch per rank dropped
+    else:
+        assert set(flat) == set(range(37))  # covers everything
+        assert len(flat) - 37 == (-37) % world  # only the wrap-around pad repeats
+
+
+def test_shuffle_per_epoch_and_worker_split(tmp_path):
+    build(tmp_path)
+    c = open_cache(tmp_path, "fp")
+    ds = CacheDataset(c, 4, shuffle=True, seed=7, rank=1, world_size=2)
+    ds.set_epoch(0)
+    e0, e0b = _rows(ds), _rows(ds)
+    ds.set_epoch(1)
+    e1 = _rows(ds)
+    assert e0 == e0b and e0 != e1
+    assert len(sum(e0, [])) == len(sum(e1, [])) == 20  # the rank's share: other rows
+    ordered = CacheDataset(c, 4, shuffle=False, rank=0, world_size=2)
+    assert sum(_rows(ordered), []) == list(range(20))
+    # DataLoader workers split the rank's batches; together they yield the same rows
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    ds.set_epoch(1)
+    got = _rows(dl)
+    assert len(got) == len(ds) == 5
+    assert sorted(sum(got, [])) == sorted(sum(e1, []))
+
+
+def test_rank_pieces_wraps():
+    order = [(10, 15), (0, 5), (5, 10)]
+    assert rank_pieces(15, order, 3, 12) == [(13, 15), (0, 5), (5, 7)]
+    assert rank_pieces(15, order, 13, 17) == [(8, 10), (10, 12)]

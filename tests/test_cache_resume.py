@@ -1,0 +1,170 @@
+"""Activation cache writers: resume after a crash, concurrent writers, leftover temp files."""
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from storage import atomic, codecs
+from storage.cache import CacheIncomplete, CacheWriter
+from storage.config import CacheConfig
+from storage.reader import open_cache
+
+N, S, H, R = 40, 8, 16, 8  # 5 shards
+
+
+def cfg(dtype="bf16"):
+    item = codecs.stored_dtype(dtype).itemsize
+    return CacheConfig(
+        dtype=dtype, codec="blosc-zstd", shuffle="byte", shard_mb=R * S * H * item / 2**20
+    )
+
+
+def samples():
+    rng = np.random.default_rng(0)
+    return np.arange(N), rng.integers(0, 1000, (N, S)), rng.integers(0, 1000, (N, S))
+
+
+def hidden():
+    return torch.randn(N, S, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+
+def writer(root, fp="fp", dtype="bf16"):
+    return CacheWriter.create(
+        root,
+        fp,
+        samples=samples(),
+        seq_len=S,
+        hidden_size=H,
+        cache_cfg=cfg(dtype),
+        meta={"boundary": 2},
+    )
+
+
+def shard_bytes(cache_dir):
+    return {
+        str(p.relative_to(cache_dir)): p.read_bytes()
+        for p in sorted(cache_dir.rglob("*"))
+        if p.is_file() and "/c/" in str(p)
+    }
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_resume_after_crash_writes_only_missing_shards(tmp_path, monkeypatch, dtype):
+    x = hidden()
+    w = writer(tmp_path, dtype=dtype)
+    for i in (0, 1):
+        w.write_shard(i, x[slice(*w.shard_range(i))])
+    # shard 2: its files land, then the process dies before the done marker
+    real = atomic.write_json
+
+    def die_on_marker(path, obj):
+        if "done" in str(path):
+            raise Crash
+        real(path, obj)
+
+    monkeypatch.setattr(atomic, "write_json", die_on_marker)
+    with pytest.raises(Crash):
+        w.write_shard(2, x[16:24])
+    monkeypatch.setattr(atomic, "write_json", real)
+    # shard 3: a torn temp file of a dead writer next to its key
+    dead = tmp_path / "fp/hidden.zarr/c/3/0/0.otherhost.123.abcdef12.partial"
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"torn")
+    os.utime(dead, (0, 0))  # old: stale even though its host is unknown
+    # shard 1: bytes damaged after its marker was written -> not done any more
+    p1 = tmp_path / "fp/hidden.zarr/c/1/0/0"
+    p1.write_bytes(p1.read_bytes()[:-1] + b"\0")
+    with pytest.raises(CacheIncomplete, match="3 of 5 shards"):
+        w.finalize()
+    with pytest.raises(CacheIncomplete, match=r"2 of 5 shards done"):
+        open_cache(tmp_path, "fp")
+
+    w2 = writer(tmp_path, dtype=dtype)  # "resume": same header opens the same cache
+    assert not dead.exists()  # stale temp file cleaned on open
+    missing = w2.missing_shards()
+    assert missing == [1, 2, 3, 4]
+    assert w2.missing_shards(verify=False) == [2, 3, 4]  # size-only check misses the flip
+    calls = []
+    real_encode = codecs.encode_shard
+    monkeypatch.setattr(codecs, "encode_shard", lambda *a: calls.append(a[1]) or real_encode(*a))
+    for i in missing:
+        w2.write_shard(i, x[slice(*w2.shard_range(i))])
+    per_shard = 2 if dtype == "int8" else 1  # hidden (+ scale) per shard
+    assert calls == [i for i in missing for _ in range(per_shard)]
+    assert w2.missing_shards() == []
+    w2.finalize()
+    c = open_cache(tmp_path, "fp", verify=True)
+    got = c.read_rows(0, N, dtype=None)[0]
+    if dtype == "bf16":
+        assert torch.equal(got, x)
+    # same bytes as one uninterrupted writer
+    ref = writer(tmp_path / "ref", dtype=dtype)
+    for i in range(ref.num_shards):
+        ref.write_shard(i, x[slice(*ref.shard_range(i))])
+    assert shard_bytes(tmp_path / "fp") == shard_bytes(tmp_path / "ref/fp")
+
+
+def _worker(root, shards, barrier):
+    # a separate (spawned) process: builds its own inputs deterministically
+    w = writer(root)
+    x = hidden()
+    barrier.wait()  # all writers start writing together
+    for i in shards:
+        w.write_shard(i, x[slice(*w.shard_range(i))])
+    barrier.wait()  # finalize only after every shard is written
+    w.finalize()
+
+
+def test_concurrent_writers_and_finalizers_give_one_valid_cache(tmp_path):
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    plan = [[0, 1, 2, 3], [4, 3, 2]]  # disjoint and overlapping shards
+    procs = [ctx.Process(target=_worker, args=(tmp_path / "multi", p, barrier)) for p in plan]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    c = open_cache(tmp_path / "multi", "fp", verify=True)
+    assert torch.equal(c.read_rows(0, N, dtype=None)[0], hidden())
+    assert not list((tmp_path / "multi").rglob("*.partial"))
+    single = writer(tmp_path / "single")
+    for i in range(single.num_shards):
+        single.write_shard(i, hidden()[slice(*single.shard_range(i))])
+    single.finalize()
+    assert shard_bytes(tmp_path / "multi/fp") == shard_bytes(tmp_path / "single/fp")
+    assert (tmp_path / "multi/fp/samples.parquet").read_bytes() == (
+        tmp_path / "single/fp/samples.parquet"
+    ).read_bytes()
+
+
+def test_partial_files_ignored_by_reader_and_cleaned_by_writer(tmp_path):
+    w = writer(tmp_path)
+    x = hidden()
+    for i in range(w.num_shards):
+        w.write_shard(i, x[slice(*w.shard_range(i))])
+    w.finalize()
+    d = tmp_path / "fp"
+    foreign = d / "hidden.zarr/c/0/0/0.partial"  # not our naming: nobody owns it
+    foreign.write_bytes(b"junk")
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=int)
+    p.start()
+    p.join()
+    dead = atomic.partial_path(d / "done/00001.json")
+    dead = dead.with_name(dead.name.replace(f".{os.getpid()}.", f".{p.pid}."))
+    dead.write_bytes(b"{")  # a dead local writer
+    live = atomic.partial_path(d / "hidden.zarr/c/2/0/0")  # this (live) process
+    live.write_bytes(b"in flight")
+    c = open_cache(tmp_path, "fp", verify=True)  # temp files do not disturb reading
+    assert torch.equal(c.read_rows(0, N, dtype=None)[0], x)
+    assert c.verify() == []
+    writer(tmp_path)  # reopening cleans stale temp files only
+    assert not foreign.exists() and not dead.exists() and live.exists()

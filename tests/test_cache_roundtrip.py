@@ -1,0 +1,294 @@
+"""Activation cache: bit-exact round trips, lossy formats, determinism, bad inputs."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.storage import LocalStore
+
+from storage import cache as cache_mod
+from storage import codecs
+from storage.cache import CacheError, CacheWriter, estimate_cache_bytes
+from storage.config import CacheConfig
+from storage.reader import open_cache
+
+N, S, H, R = 40, 8, 16, 8  # 40 samples in shards of 8 rows -> 5 shards
+
+
+def samples(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(-100, 1000, (n, S))
+    labels[:, 0] = np.arange(n)  # row id, so tests can tell rows apart
+    return np.arange(n) * 3 + 7, rng.integers(0, 1000, (n, S)), labels
+
+
+def cfg(dtype="bf16", codec="none", shuffle="none", rows=R, **kw):
+    item = codecs.stored_dtype(dtype).itemsize
+    return CacheConfig(
+        dtype=dtype, codec=codec, shuffle=shuffle, shard_mb=rows * S * H * item / 2**20, **kw
+    )
+
+
+def hidden(dtype=torch.float32, n=N, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, S, H, generator=g) * 3
+    x[0, 0] = 0.0
+    x[1] = -0.0  # a whole sample of -0.0 == fill value: must still keep its sign bits
+    x[24:32] = 0.0  # an all-zero shard (zarr skips all-fill chunks unless told not to)
+    return x.to(dtype)
+
+
+def build(root, fp, x, c, meta=None, finalize=True, **kw):
+    w = CacheWriter.create(
+        root,
+        fp,
+        samples=samples(),
+        seq_len=S,
+        hidden_size=H,
+        cache_cfg=c,
+        meta=meta or {"boundary": 1, "split": "train"},
+        **kw,
+    )
+    for i in w.missing_shards():
+        a, b = w.shard_range(i)
+        w.write_shard(i, x[a:b])
+    if finalize:
+        w.finalize()
+    return w
+
+
+CODECS = [
+    ("none", "none"),
+    ("zstd", "none"),
+    ("blosc-zstd", "none"),
+    ("blosc-zstd", "byte"),
+    ("blosc-zstd", "bit"),
+]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("codec,shuffle", CODECS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_lossless_round_trip_is_bit_exact(tmp_path, dtype, codec, shuffle):
+    x = hidden(DTYPES[dtype])
+    w = build(tmp_path, "fp", x, cfg(dtype, codec, shuffle))
+    assert w.num_shards == 5
+    c = open_cache(tmp_path, "fp", verify=True)
+    assert (c.num_samples, c.seq_len, c.hidden_size, c.num_shards) == (N, S, H, 5)
+    got, labels, sids = c.read_rows(0, N, dtype=None)
+    assert got.dtype == DTYPES[dtype]
+    as_int = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    assert torch.equal(got.view(as_int[x.dtype]), x.view(as_int[x.dtype]))  # bits, incl. -0.0
+    sid, _, lab = samples()
+    assert torch.equal(labels, torch.from_numpy(lab)) and labels.dtype == torch.long
+    assert torch.equal(sids, torch.from_numpy(sid))
+    h3, l3, s3 = c.read_shard(3)  # default float32
+    assert h3.dtype == torch.float32 and torch.equal(h3, x[24:32].float())
+    assert torch.equal(s3, torch.from_numpy(sid[24:32]))
+    h, _, _ = c.read_rows(5, 19)  # spans shards 0..2
+    assert torch.equal(h, x[5:19].float())
+    m = c.manifest
+    assert m["error"] is None and m["meta"]["boundary"] == 1 and m["dtype"] == dtype
+    assert m["stats"]["absmax"] == pytest.approx(float(x.float().abs().max()))
+    assert m["stats"]["mean"] == pytest.approx(float(x.double().mean()), abs=1e-9)
+    assert m["stats"]["std"] == pytest.approx(float(x.double().std(unbiased=False)), rel=1e-6)
+    assert m["total_bytes"] > m["value_bytes"] > 0
+    attrs = json.loads((tmp_path / "fp/hidden.zarr/zarr.json").read_text())["attributes"]
+    assert attrs["preinfer"]["dtype"] == dtype  # bf16 stored as uint16 with logical dtype here
+
+
+def test_fp32_input_to_bf16_records_rounding_error(tmp_path):
+    x = hidden(torch.float32)
+    build(tmp_path, "fp", x, cfg("bf16", "zstd"))
+    c = open_cache(tmp_path, "fp")
+    got = c.read_rows(0, N, dtype=None)[0]
+    assert torch.equal(got, x.to(torch.bfloat16))
+    err = (got.float() - x).abs()
+    assert c.manifest["error"]["max_abs_err"] == pytest.approx(float(err.max()))
+    assert c.manifest["error"]["mean_abs_err"] == pytest.approx(float(err.double().mean()))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+def test_lossy_within_recorded_error_and_no_nan_with_outliers(tmp_path, dtype):
+    x = hidden(torch.float32) * 1e-3
+    x[2:6, :, 3] = 1e4  # outliers next to 1e-3 values in the same tokens
+    x[7, 2] = 0.0  # an all-zero token: scale 0 must decode to zeros, not NaN
+    x[9, 1, :] = -65504.0 * 4
+    build(tmp_path, "fp", x, cfg(dtype, "blosc-zstd", "byte"))
+    c = open_cache(tmp_path, "fp", verify=True)
+    got = c.read_rows(0, N)[0]
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[7, 2], torch.zeros(H))
+    err = (got - x).abs()
+    rec = c.manifest["error"]
+    assert float(err.max()) <= rec["max_abs_err"] * (1 + 1e-6)
+    assert rec["max_abs_err"] == pytest.approx(float(err.max()))
+    assert rec["rel_err"] == pytest.approx(float((got - x).double().norm() / x.double().norm()))
+    absmax = x.abs().amax(-1, keepdim=True)
+    if dtype == "int8":
+        bound = absmax / 254 * (1 + 1e-5)  # half a quantization step
+    else:  # 3 mantissa bits: rel 2^-4 for normals; subnormal step 2^-9 of the scale
+        bound = torch.maximum(x.abs() * 2**-4, absmax / 448 * 2**-10) * (1 + 1e-5) + 1e-30
+    assert (err <= bound).all()
+    assert (got[2:6, :, 3] == 1e4).all()  # the absmax value itself is exact
+    assert (tmp_path / "fp/scale.zarr/zarr.json").exists()
+
+
+def test_codec_refuses_nan_overflow_and_bad_types():
+    with pytest.raises(codecs.CodecError, match="NaN"):
+        codecs.encode(torch.tensor([[[1.0, float("nan")]]]), "bf16")
+    with pytest.raises(codecs.CodecError, match="overflow fp16"):
+        codecs.encode(torch.tensor([[[1e5]]]), "fp16")
+    with pytest.raises(codecs.CodecError, match="float32/float16"):
+        codecs.encode(np.zeros((1, 1, 2), np.int64), "fp32")
+    with pytest.raises(codecs.CodecError, match="blosc-zstd"):
+        codecs.compressors(CacheConfig(codec="blosc-zstd", level=12))
+    q, s = codecs.encode(torch.zeros(2, 3, 4), "fp8_e4m3")
+    assert (s == 0).all() and torch.equal(codecs.decode(q, s, "fp8_e4m3"), torch.zeros(2, 3, 4))
+
+
+def test_same_shard_twice_gives_identical_bytes_equal_to_zarr(tmp_path):
+    x = hidden(torch.bfloat16)
+    c = cfg("bf16", "blosc-zstd", "bit")
+    w = build(tmp_path, "fp", x, c, finalize=False)
+    shard = tmp_path / "fp/hidden.zarr/c/4/0/0"  # last shard: rows 32..40
+    first, marker1 = shard.read_bytes(), (tmp_path / "fp/done/00004.json").read_bytes()
+    w2 = CacheWriter.create(
+        tmp_path, "fp", samples=samples(), seq_len=S, hidden_size=H, cache_cfg=c, meta={}
+    )
+    w2.write_shard(4, x[32:40])
+    assert shard.read_bytes() == first
+    assert (tmp_path / "fp/done/00004.json").read_bytes() == marker1
+    # what zarr itself writes into an empty store with the same metadata: the same bytes
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z/zarr.json").write_bytes((tmp_path / "fp/hidden.zarr/zarr.json").read_bytes())
+    arr = zarr.open_array(LocalStore(tmp_path / "z")).with_config({"write_empty_chunks": True})
+    arr[32:40] = x[32:40].view(torch.int16).numpy().view(np.uint16)
+    assert (tmp_path / "z/c/4/0/0").read_bytes() == first
+    m = json.loads(marker1)
+    assert m["files"]["hidden.zarr/c/4/0/0"]["sha256"] == hashlib.sha256(first).hexdigest()
+    # and a complete cache refuses a rewrite that would change it
+    w.finalize()
+    w2.write_shard(4, x[32:40])  # identical: no-op
+    with pytest.raises(CacheError, match="immutable"):
+        w2.write_shard(4, x[32:40] + 1)
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    c = cfg("bf16")
+    w = build(tmp_path, "fp", hidden(), c, finalize=False)
+    with pytest.raises(CacheError, match=r"shape \(8, 8, 16\)"):
+        w.write_shard(0, torch.zeros(7, S, H))
+    with pytest.raises(CacheError, match="out of range"):
+        w.write_shard(5, torch.zeros(8, S, H))
+    with pytest.raises(CacheError, match="NaN"):
+        w.write_shard(0, torch.full((8, S, H), float("nan")))
+    with pytest.raises(CacheError, match="another layout"):  # same fp, other dtype
+        CacheWriter.create(
+            tmp_path,
+            "fp",
+            samples=samples(),
+            seq_len=S,
+            hidden_size=H,
+            cache_cfg=cfg("fp16"),
+            meta={},
+        )
+    with pytest.raises(CacheError, match="other samples"):
+        CacheWriter.create(
+            tmp_path, "fp", samples=samples(seed=5), seq_len=S, hidden_size=H, cache_cfg=c, meta={}
+        )
+    sid, ids, lab = samples()
+    with pytest.raises(CacheError, match="duplicates"):
+        CacheWriter.create(
+            tmp_path,
+            "g",
+            samples=(np.zeros(N, int), ids, lab),
+            seq_len=S,
+            hidden_size=H,
+            cache_cfg=c,
+            meta={},
+        )
+    with pytest.raises(CacheError, match="shape"):
+        CacheWriter.create(
+            tmp_path,
+            "g",
+            samples=(sid, ids[:, :4], lab),
+            seq_len=S,
+            hidden_size=H,
+            cache_cfg=c,
+            meta={},
+        )
+    with pytest.raises(CacheError, match="JSON"):
+        CacheWriter.create(
+            tmp_path,
+            "g",
+            samples=(sid, ids, lab),
+            seq_len=S,
+            hidden_size=H,
+            cache_cfg=c,
+            meta={"x": object()},
+        )
+    with pytest.raises(CacheError, match="fingerprint"):
+        CacheWriter.create(
+            tmp_path,
+            "../x",
+            samples=(sid, ids, lab),
+            seq_len=S,
+            hidden_size=H,
+            cache_cfg=c,
+            meta={},
+        )
+
+
+def test_samples_as_arrow_table_equal_arrays(tmp_path):
+    from storage.cache import samples_arrays, samples_table
+
+    t = samples_table(*(np.asarray(a) for a in samples()))
+    assert str(t.schema.field("input_ids").type) == "list<item: int32>"
+    for a, b in zip(samples_arrays(t, S), samples(), strict=True):
+        assert np.array_equal(a, b)
+    w = CacheWriter.create(
+        tmp_path, "fp", samples=t, seq_len=S, hidden_size=H, cache_cfg=cfg(), meta={}
+    )
+    assert w.num_shards == 5 and w.shard_range(4) == (32, 40)
+
+
+def test_disk_guard(tmp_path, monkeypatch):
+    need = estimate_cache_bytes(N, S, H, "fp32")
+    assert need >= N * S * H * 4
+    with pytest.raises(CacheError, match=r"needs up to \d+ bytes .* only 1000 bytes"):
+        CacheWriter.create(
+            tmp_path,
+            "fp",
+            samples=samples(),
+            seq_len=S,
+            hidden_size=H,
+            cache_cfg=cfg("fp32"),
+            meta={},
+            free_bytes=1000,
+        )
+    assert not (tmp_path / "fp").exists()  # refused before writing anything
+    monkeypatch.setattr(cache_mod, "free_disk_bytes", lambda p: 10)
+    with pytest.raises(CacheError, match="only 10 bytes"):
+        CacheWriter.create(
+            tmp_path,
+            "fp",
+            samples=samples(),
+            seq_len=S,
+            hidden_size=H,
+            cache_cfg=cfg("fp32"),
+            meta={},
+        )
+    CacheWriter.create(
+        tmp_path,
+        "fp",
+        samples=samples(),
+        seq_len=S,
+        hidden_size=H,
+        cache_cfg=cfg("fp32"),
+        meta={},
+        free_bytes=need,
+    )

@@ -1,0 +1,82 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from preinfer.config import Config, load_config
+from preinfer.confload import ConfigError, field_docs
+
+CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    names = {p.stem for p in CONFIGS}
+    assert {"demo", "gpt2-small", "llama-small", "minilm"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_yaml_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.data.out_dir and cfg.run.checkpoint and cfg.cache.root
+
+
+def test_every_field_has_a_doc():
+    from preinfer import config as root
+
+    for sect in dataclasses.fields(Config):
+        cls = root.Config.__dataclass_fields__[sect.name].default_factory
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
+        assert not missing, f"{sect.name}: fields without a one-line doc: {missing}"
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.nope=1", "unknown key(s) nope"),
+        ("nope.lr=1", "unknown key(s) nope"),
+        ("train.lr=abc", "train.lr"),
+        ("cache.dtype=f32", "choose one of 'fp32'"),
+        ("partition.num_blocks=0", "partition.num_blocks must be >= 1"),
+        ("train.max_steps=1.5", "train.max_steps: expected an integer"),
+        ("data.seq_len=100000", "larger than model.max_positions"),
+        ("trainlr=1", "key must be section.key"),
+        ("train=1", "key must be section.key"),
+        ("train.lr", "must look like section.key=value"),
+        ("cache.shuffle=bit", None),  # allowed with the default blosc-zstd codec
+        ("cache.codec=zstd", "needs cache.codec='blosc-zstd'"),
+    ],
+)
+def test_bad_overrides_are_named(override, needle):
+    if needle is None:
+        load_config("configs/demo.yaml", [override])
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/demo.yaml", [override])
+    assert needle in str(e.value)
+
+
+def test_override_types_and_resolved_paths():
+    cfg = load_config(
+        "configs/demo.yaml", ["train.lr=0.5", "run.dir=/x/y", "train.betas=[0.8,0.9]"]
+    )
+    assert cfg.train.lr == 0.5 and cfg.train.betas == [0.8, 0.9]
+    assert cfg.data.out_dir == "/x/y/tokens" and cfg.cache.root == "/x/y/cache"
+    again = load_config(None, [f"{k}={v}" for k, v in []])
+    assert again.partition.num_blocks == 3
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+    bad.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match="train: expected a mapping"):
+        load_config(bad)

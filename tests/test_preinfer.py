@@ -1,0 +1,126 @@
+"""Pre-inference on Ray: parity with the model's own forward, refresh == build, faults, resume."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.preinfer import FAULT_ENV, build_cache, plan_caches, refresh_cache
+from preinfer.adapters import forward_blocks
+from preinfer.checkpoint import Checkpoint
+from preinfer.confload import ConfigError
+from storage.reader import open_cache
+from storage.tokens import TokenStore
+from tests.pipeline_fixtures import quiet
+
+pytestmark = pytest.mark.ray
+
+
+def reference(cfg, block, split, dtype):
+    """The model's own forward to `block`, in the same micro-batches the workers use."""
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    model, adapter = ckpt.load(range(ckpt.num_blocks))
+    model.to(dtype).eval()
+    store = TokenStore(cfg.data.out_dir)
+    fp = {p.split: p.fingerprint for p in plan_caches(cfg, block, create=False)}[split]
+    cache = open_cache(cfg.cache.root, fp, expected_fingerprint=fp)
+    ids = torch.from_numpy(store.read(split, 0, store.num_samples(split))[:, :-1]).long()
+    out = []
+    mb = cfg.preinfer.micro_batch
+    with torch.inference_mode():
+        for i in range(cache.num_shards):
+            a, b = cache.shard_range(i)
+            for s in range(a, b, mb):
+                out.append(
+                    forward_blocks(adapter, ckpt.partition, ids[s : min(b, s + mb)], 0, block)
+                )
+    return cache, torch.cat(out)
+
+
+def test_fp32_cache_equals_model_forward_and_is_reused(tiny_run):
+    cfg = tiny_run()
+    res = build_cache(cfg, 2, log=quiet)
+    assert res["action"] == "built" and res["shards"] >= 4
+    for split in ("train", "val"):
+        cache, ref = reference(cfg, 2, split, torch.float32)
+        hidden, labels = cache.read_rows(0, cache.num_samples)[:2]
+        torch.testing.assert_close(hidden, ref, atol=1e-6, rtol=1e-6)
+        assert cache.verify() == []
+    again = build_cache(cfg, 2, log=quiet)
+    assert again["action"] == "reused" and again["fingerprints"] == res["fingerprints"]
+
+
+def test_bf16_cache_equals_bf16_forward(tiny_run):
+    cfg = tiny_run("cache.dtype=bf16")
+    build_cache(cfg, 1, log=quiet)
+    cache, ref = reference(cfg, 1, "val", torch.bfloat16)
+    hidden = cache.read_rows(0, cache.num_samples, dtype=torch.bfloat16)[0]
+    assert hidden.dtype == torch.bfloat16
+    assert torch.equal(hidden, ref)
+
+
+def test_refresh_equals_build_bit_exact(tiny_run, tmp_path):
+    cfg = tiny_run()
+    with pytest.raises(ConfigError, match="no current boundary-1 cache"):
+        refresh_cache(cfg, 2, log=quiet)
+    build_cache(cfg, 1, log=quiet)
+    res = refresh_cache(cfg, 2, log=quiet)
+    assert res["action"] == "refreshed"
+    other = tiny_run(f"cache.root={tmp_path / 'other_cache'}")
+    built = build_cache(other, 2, log=quiet)
+    assert built["fingerprints"] == res["fingerprints"]
+    for split, fp in res["fingerprints"].items():
+        src = open_cache(cfg.cache.root, fp)
+        a = src.read_rows(0, src.num_samples)[0]
+        b = open_cache(other.cache.root, fp).read_rows(0, a.shape[0])[0]
+        assert torch.equal(a, b), split
+
+
+def test_actor_dying_on_first_shard_gives_identical_cache(tiny_run, tmp_path, monkeypatch):
+    clean = tiny_run(f"cache.root={tmp_path / 'clean'}")
+    build_cache(clean, 1, log=quiet)
+    marker = tmp_path / "died"
+    monkeypatch.setenv(FAULT_ENV, str(marker))
+    faulty = tiny_run(f"cache.root={tmp_path / 'faulty'}")
+    res = build_cache(faulty, 1, log=quiet)
+    assert marker.exists(), "the fault switch did not fire"
+    for fp in res["fingerprints"].values():
+        a = open_cache(clean.cache.root, fp)
+        b = open_cache(faulty.cache.root, fp)
+        assert a.verify() == [] and b.verify() == []
+        assert a.manifest["shards"] == b.manifest["shards"]  # same checksums: same bytes
+
+
+def test_interrupted_build_recomputes_only_missing_shards(tiny_run):
+    cfg = tiny_run()
+    full = build_cache(cfg, 2, log=quiet)
+    fp = full["fingerprints"]["train"]
+    cdir = os.path.join(cfg.cache.root, fp)
+    # the state a killed driver leaves: no manifest, some shards without done markers
+    os.remove(os.path.join(cdir, "manifest.json"))
+    markers = sorted(os.listdir(os.path.join(cdir, "done")))
+    for name in markers[1::2]:
+        os.remove(os.path.join(cdir, "done", name))
+    with pytest.raises(Exception, match="manifest"):
+        open_cache(cfg.cache.root, fp)
+    res = build_cache(cfg, 2, log=quiet)
+    assert res["action"] == "built"
+    assert res["shards"] == len(markers[1::2])
+    cache = open_cache(cfg.cache.root, fp, expected_fingerprint=fp)
+    assert cache.verify() == []
+
+
+def test_sampling_is_deterministic_and_fingerprinted(tiny_run):
+    cfg = tiny_run("preinfer.sample_fraction=0.5")
+    p0 = {p.split: p for p in plan_caches(cfg, 1, 0, create=False)}
+    p0b = {p.split: p for p in plan_caches(cfg, 1, 0, create=False)}
+    p1 = {p.split: p for p in plan_caches(cfg, 1, 1, create=False)}
+    n = TokenStore(cfg.data.out_dir).num_samples("train")
+    assert len(p0["train"].indices) == round(n * 0.5)
+    np.testing.assert_array_equal(p0["train"].indices, p0b["train"].indices)
+    assert not np.array_equal(p0["train"].indices, p1["train"].indices)
+    assert p0["train"].fingerprint != p1["train"].fingerprint
+    assert p0["val"].fingerprint == p1["val"].fingerprint  # val is never sampled
+    full = {p.split: p for p in plan_caches(tiny_run(), 1, 0, create=False)}
+    assert full["train"].fingerprint != p0["train"].fingerprint
