@@ -41,8 +41,10 @@ def main(args, cfg: Config) -> int:
         for shard, reason in bad:
             print(f"shard {shard}: {reason}")
         if bad:
-            print(f"verify: {args.fingerprint}: {len(bad)} bad shard(s); rebuild with "
-                  "`preinfer cache build` (bad shards are rewritten)")
+            print(
+                f"verify: {args.fingerprint}: {len(bad)} bad shard(s); rebuild with "
+                "`preinfer cache build` (bad shards are rewritten)"
+            )
             return 1
         print(f"verify: {args.fingerprint}: ok")
         return 0

@@ -6,6 +6,7 @@ import time
 
 from pipelines.evaluate import run_eval
 from pipelines.init import run_init
+from pipelines.report import run_report
 from pipelines.rotate import run_bcd
 from pipelines.tokenize import run_tokenize
 from preinfer.config import Config
@@ -20,10 +21,15 @@ def run_demo(cfg: Config, log=print) -> dict:
         log(f"  block {b}: {info}")
     nb = cfg.train.eval_batches
     before = run_eval(cfg, max_batches=nb, log=log)
-    log(f"== BCD: {cfg.train.rounds} round(s) x {ckpt.num_blocks} blocks, "
-        f"{cfg.train.max_steps} steps per block, mode {cfg.train.mode}")
+    log(
+        f"== BCD: {cfg.train.rounds} round(s) x {ckpt.num_blocks} blocks, "
+        f"{cfg.train.max_steps} steps per block, mode {cfg.train.mode}"
+    )
     bcd = run_bcd(cfg, log=log)
     after = run_eval(cfg, max_batches=nb, log=log)
-    log(f"== val perplexity {before['ppl']:.1f} -> {after['ppl']:.1f} "
-        f"({store.num_samples('train')} train samples; {time.perf_counter() - t0:.0f}s in all)")
-    return {"before": before, "after": after, "bcd": bcd}
+    log(
+        f"== val perplexity {before['ppl']:.1f} -> {after['ppl']:.1f} "
+        f"({store.num_samples('train')} train samples; {time.perf_counter() - t0:.0f}s in all)"
+    )
+    report = run_report(cfg, log=log)
+    return {"before": before, "after": after, "bcd": bcd, "report": report}

@@ -26,11 +26,23 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
             return forward_blocks(adapter, part, ids, 0, M)
 
     t0 = time.perf_counter()
-    res = evaluate_tokens(forward, store, split=split, batch_size=cfg.train.batch_size,
-                          max_batches=max_batches, device=device)
-    res = {"split": split, **res, "seconds": time.perf_counter() - t0,
-           "checkpoint": ckpt.prefix_hash(M)}
+    res = evaluate_tokens(
+        forward,
+        store,
+        split=split,
+        batch_size=cfg.train.batch_size,
+        max_batches=max_batches,
+        device=device,
+    )
+    res = {
+        "split": split,
+        **res,
+        "seconds": time.perf_counter() - t0,
+        "checkpoint": ckpt.prefix_hash(M),
+    }
     append_metrics(cfg, {"event": "eval", **res, "time": time.time()})
-    log(f"eval: {split} loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} "
-        f"over {res['tokens']:,} tokens")
+    log(
+        f"eval: {split} loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} "
+        f"over {res['tokens']:,} tokens"
+    )
     return res

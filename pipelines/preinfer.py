@@ -29,7 +29,9 @@ from preinfer.fingerprint import cache_fingerprint
 from storage.tokens import TokenStore
 
 SPLITS = ("train", "val")
-FAULT_ENV = "PREINFER_TEST_DIE_ONCE"  # test-only: path of a marker; the first task to see it absent dies
+FAULT_ENV = (
+    "PREINFER_TEST_DIE_ONCE"  # test-only: path of a marker; the first task to see it absent dies
+)
 
 
 @dataclass(kw_only=True)
@@ -66,26 +68,40 @@ def codec_spec(cfg: Config) -> dict:
     return {"codec": c.codec, "shuffle": c.shuffle, "level": c.level, "shard_mb": c.shard_mb}
 
 
-def fingerprint_for(cfg: Config, ckpt: Checkpoint, store: TokenStore, block: int, split: str,
-                    round_: int) -> str:
+def fingerprint_for(
+    cfg: Config, ckpt: Checkpoint, store: TokenStore, block: int, split: str, round_: int
+) -> str:
     return cache_fingerprint(
-        tokens=store.fingerprint, split=split, prefix=ckpt.prefix_hash(block), boundary=block,
-        model=ckpt.model_config_dict, dtype=cfg.cache.dtype, codec=codec_spec(cfg),
+        tokens=store.fingerprint,
+        split=split,
+        prefix=ckpt.prefix_hash(block),
+        boundary=block,
+        model=ckpt.model_config_dict,
+        dtype=cfg.cache.dtype,
+        codec=codec_spec(cfg),
         sampling=sampling_spec(cfg, split, round_),
     )
 
 
-def cache_meta(cfg: Config, ckpt: Checkpoint, store: TokenStore, block: int, split: str,
-               round_: int) -> dict:
+def cache_meta(
+    cfg: Config, ckpt: Checkpoint, store: TokenStore, block: int, split: str, round_: int
+) -> dict:
     return {
-        "boundary": block, "split": split, "round": round_, "tokens": store.fingerprint,
-        "prefix": ckpt.prefix_hash(block), "model": ckpt.model_config_dict,
-        "sampling": sampling_spec(cfg, split, round_), "config": cfg.to_dict(),
+        "boundary": block,
+        "split": split,
+        "round": round_,
+        "tokens": store.fingerprint,
+        "prefix": ckpt.prefix_hash(block),
+        "model": ckpt.model_config_dict,
+        "sampling": sampling_spec(cfg, split, round_),
+        "config": cfg.to_dict(),
         "checkpoint": str(Path(cfg.run.checkpoint).resolve()),
     }
 
 
-def plan_caches(cfg: Config, block: int, round_: int = 0, *, create: bool = True) -> list[CachePlan]:
+def plan_caches(
+    cfg: Config, block: int, round_: int = 0, *, create: bool = True
+) -> list[CachePlan]:
     """Fingerprints and missing shards of the train and val caches at boundary `block`."""
     from storage.cache import CacheWriter, is_complete
 
@@ -101,21 +117,30 @@ def plan_caches(cfg: Config, block: int, round_: int = 0, *, create: bool = True
         fp = fingerprint_for(cfg, ckpt, store, block, split, round_)
         idx = sample_indices(cfg, store, split, round_)
         if is_complete(cfg.cache.root, fp):
-            plans.append(CachePlan(split=split, fingerprint=fp, indices=idx, complete=True, missing=[]))
+            plans.append(
+                CachePlan(split=split, fingerprint=fp, indices=idx, complete=True, missing=[])
+            )
             continue
         missing: list[int] = []
         if create:
             rows = store.read_indices(split, idx)  # (N, S+1) int32
             writer = CacheWriter.create(
-                cfg.cache.root, fp,
-                samples={"sample_id": idx.astype(np.int64), "input_ids": rows[:, :-1],
-                         "labels": rows[:, 1:]},
-                seq_len=store.seq_len, hidden_size=ckpt.hidden_size, cache_cfg=cfg.cache,
+                cfg.cache.root,
+                fp,
+                samples={
+                    "sample_id": idx.astype(np.int64),
+                    "input_ids": rows[:, :-1],
+                    "labels": rows[:, 1:],
+                },
+                seq_len=store.seq_len,
+                hidden_size=ckpt.hidden_size,
+                cache_cfg=cfg.cache,
                 meta=cache_meta(cfg, ckpt, store, block, split, round_),
             )
             missing = writer.missing_shards()
-        plans.append(CachePlan(split=split, fingerprint=fp, indices=idx, complete=False,
-                               missing=missing))
+        plans.append(
+            CachePlan(split=split, fingerprint=fp, indices=idx, complete=False, missing=missing)
+        )
     return plans
 
 
@@ -169,7 +194,9 @@ class PrefixWorker:
             writer = self._writers.get(fp) or self._writers.setdefault(fp, self._open_writer(fp))
             start, stop = writer.shard_range(int(shard))
             if self.first == 0:
-                ids = torch.from_numpy(writer.read_input_ids(start, stop)).long()  # (n, S)
+                ids = torch.from_numpy(
+                    np.array(writer.read_input_ids(start, stop))
+                ).long()  # (n, S)
                 hidden = self._compute(ids)
             else:
                 src = self._source(fp)
@@ -187,12 +214,21 @@ class PrefixWorker:
         src_fp = self.sources[fp]
         key = f"src:{src_fp}"
         if key not in self._writers:
-            self._writers[key] = open_cache(self.cfg.cache.root, src_fp, expected_fingerprint=src_fp)
+            self._writers[key] = open_cache(
+                self.cfg.cache.root, src_fp, expected_fingerprint=src_fp
+            )
         return self._writers[key]
 
 
-def _run_workers(cfg: Config, plans: list[CachePlan], block: int, first: int,
-                 sources: dict[str, str], seq_len: int, log) -> dict:
+def _run_workers(
+    cfg: Config,
+    plans: list[CachePlan],
+    block: int,
+    first: int,
+    sources: dict[str, str],
+    seq_len: int,
+    log,
+) -> dict:
     """Map missing shards over the actor pool; returns counts and timing."""
     import ray
 
@@ -212,8 +248,12 @@ def _run_workers(cfg: Config, plans: list[CachePlan], block: int, first: int,
         warnings.simplefilter("ignore")
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             PrefixWorker,
-            fn_constructor_kwargs={"cfg_dict": cfg.to_dict(), "block": block, "first": first,
-                                   "sources": sources},
+            fn_constructor_kwargs={
+                "cfg_dict": cfg.to_dict(),
+                "block": block,
+                "first": first,
+                "sources": sources,
+            },
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=pool),
             runtime_env={"env_vars": env} if env else None,
@@ -260,8 +300,10 @@ def refresh_cache(cfg: Config, block: int, round_: int = 0, *, log=print) -> dic
     from storage.cache import is_complete
 
     if block < 2:
-        raise ConfigError(f"--block {block}: refresh needs a boundary-{block - 1} cache; "
-                          "boundary 1 is built from tokens with `cache build --block 1`")
+        raise ConfigError(
+            f"--block {block}: refresh needs a boundary-{block - 1} cache; "
+            "boundary 1 is built from tokens with `cache build --block 1`"
+        )
     prev = plan_caches(cfg, block - 1, round_, create=False)
     stale = [p for p in prev if not is_complete(cfg.cache.root, p.fingerprint)]
     if stale:
@@ -293,5 +335,7 @@ def _result(plans: list[CachePlan]) -> dict:
 
 def _log_done(log, what, block, plans, stats, todo, seq_len) -> None:
     tok_s = stats["rows"] * seq_len / max(stats["seconds"], 1e-9)
-    log(f"cache {what}: boundary {block}: {stats['shards']}/{todo} shards, {stats['rows']} samples "
-        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s) -> {_fps(plans)}")
+    log(
+        f"cache {what}: boundary {block}: {stats['shards']}/{todo} shards, {stats['rows']} samples "
+        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s) -> {_fps(plans)}"
+    )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
+from preinfer.visit import last_visit_summary
 from storage.atomic import write_json
 
 
@@ -65,9 +66,23 @@ def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -
         res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log)
         action, fps = res["action"], res["fingerprints"]
     state["caches_in_use"] = sorted(set(fps.values()))
-    _event(cfg, state, action=action, boundary=block, round=round_, fingerprints=fps,
-           seconds=time.perf_counter() - t0)
+    sizes = {s: _cache_bytes(cfg, fp) for s, fp in fps.items()}
+    _event(
+        cfg,
+        state,
+        action=action,
+        boundary=block,
+        round=round_,
+        fingerprints=fps,
+        bytes=sizes,
+        seconds=time.perf_counter() - t0,
+    )
     return action
+
+
+def _cache_bytes(cfg: Config, fp: str) -> int:
+    path = Path(cfg.cache.root) / fp
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> None:
@@ -93,6 +108,7 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
             f"for --mode {mode}"
         )
     state["mode"] = mode
+    write_json(Path(cfg.run.dir) / "config.json", cfg.to_dict())  # the resolved config of this run
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     M = ckpt.num_blocks
     if mode == "full":
@@ -108,7 +124,7 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
         pending = state.get("pending")
         if pending and pending["key"] == key and pending["start_hash"] != ckpt_hash(cfg):
             # killed after the visit committed its block but before state.json said so
-            state["visits"][key] = {**_last_visit(cfg), "cache": pending["cache"]}
+            state["visits"][key] = {**last_visit_summary(cfg), "cache": pending["cache"]}
             state["pending"] = None
             save_state(cfg, state)
             results.append(state["visits"][key])
@@ -131,9 +147,11 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
         state["pending"] = None
         save_state(cfg, state)
         results.append(summary)
-        log(f"  round {r} block {k} [{mode}, input: {action}]: {summary.get('steps')} steps, "
+        log(
+            f"  round {r} block {k} [{mode}, input: {action}]: {summary.get('steps')} steps, "
             f"train loss {summary.get('loss', float('nan')):.3f}, "
-            f"val ppl {_ppl(summary.get('val_loss')):.1f}")
+            f"val ppl {_ppl(summary.get('val_loss')):.1f}"
+        )
     state["caches_in_use"] = [] if mode != "bcd" else state["caches_in_use"]
     save_state(cfg, state)
     return {"mode": mode, "visits": results}
@@ -143,17 +161,6 @@ def ckpt_hash(cfg: Config) -> str:
     """Content hash of the whole checkpoint as it is now."""
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     return ckpt.prefix_hash(ckpt.num_blocks)
-
-
-def _last_visit(cfg: Config) -> dict:
-    last = {}
-    path = Path(cfg.run.dir) / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("event") == "visit":
-                last = rec
-    return last
 
 
 def _with_steps(cfg: Config, steps: int) -> Config:
@@ -168,4 +175,3 @@ def _ppl(loss) -> float:
     import math
 
     return math.exp(min(loss, 50.0)) if isinstance(loss, int | float) else float("nan")
-

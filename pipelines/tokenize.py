@@ -40,7 +40,9 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
     t0 = time.perf_counter()
     docs = list(iter_documents(d))
     if not docs:
-        raise CorpusError(f"data.source {d.source!r} holds no non-empty documents; give a corpus with text")
+        raise CorpusError(
+            f"data.source {d.source!r} holds no non-empty documents; give a corpus with text"
+        )
     corpus = hashlib.sha256()
     for doc in docs:
         corpus.update(hashlib.sha256(doc.text.encode()).digest())
@@ -49,8 +51,11 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         corpus=corpus.hexdigest(),
         tokenizer=tokenizer_spec(cfg),
         seq_len=d.seq_len,
-        split={"rule": "sha256(seed|text) < val_fraction", "val_fraction": d.val_fraction,
-               "seed": d.split_seed},
+        split={
+            "rule": "sha256(seed|text) < val_fraction",
+            "val_fraction": d.val_fraction,
+            "seed": d.split_seed,
+        },
     )[:32]
     out = Path(d.out_dir)
     if TokenStore.exists(out):
@@ -97,8 +102,9 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         def encoded(part):
             nonlocal n_tokens
             for i in range(0, len(part), 64):
-                batch = tok.encode_batch([doc.text for doc in part[i : i + 64]],
-                                         add_special_tokens=False)
+                batch = tok.encode_batch(
+                    [doc.text for doc in part[i : i + 64]], add_special_tokens=False
+                )
                 for enc in batch:
                     n_tokens += len(enc.ids) + 1
                     yield enc.ids

@@ -13,7 +13,7 @@ from pathlib import Path
 from preinfer.config import Config, config_from_dict
 from preinfer.confload import ConfigError
 from preinfer.device import resolve_device
-from preinfer.visit import Visit, VisitSpec
+from preinfer.visit import Visit, VisitSpec, last_visit_summary
 
 
 def visit_spec(cfg: Config, block: int, round_: int, mode: str) -> VisitSpec:
@@ -48,11 +48,12 @@ def _worker_loop(config: dict) -> None:
         device = torch.device("cuda", ctx.get_local_rank())
     visit = Visit(cfg, spec, device=device, rank=ctx.get_world_rank(), world=ctx.get_world_size())
     summary = visit.run(log=print)
-    ray.train.report({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
+    ray.train.report({k: v for k, v in summary.items() if isinstance(v, int | float)})
 
 
-def run_train(cfg: Config, block: int, round_: int = 0, *, mode: str | None = None,
-              log=print) -> dict:
+def run_train(
+    cfg: Config, block: int, round_: int = 0, *, mode: str | None = None, log=print
+) -> dict:
     mode = mode or cfg.train.mode
     if cfg.model.arch == "bert":
         raise ConfigError(
@@ -76,7 +77,8 @@ def run_train(cfg: Config, block: int, round_: int = 0, *, mode: str | None = No
         train_loop_config={"cfg": cfg.to_dict(), "spec": asdict(spec)},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=workers, use_gpu=use_gpu,
+            num_workers=workers,
+            use_gpu=use_gpu,
             resources_per_worker=None if use_gpu else {"CPU": 1},
         ),
         run_config=ray.train.RunConfig(
@@ -84,5 +86,6 @@ def run_train(cfg: Config, block: int, round_: int = 0, *, mode: str | None = No
             storage_path=str((Path(cfg.run.dir) / "ray_train").resolve()),
         ),
     )
-    result = trainer.fit()
-    return dict(result.metrics or {})
+    trainer.fit()
+    # rank 0 appended the visit's summary to metrics.jsonl; Ray Train's own metrics are flat
+    return last_visit_summary(cfg)

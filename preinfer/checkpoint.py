@@ -290,10 +290,10 @@ class Checkpoint:
         part, out = self.partition, []
         for b, blk in enumerate(self.index["blocks"]):
             first, stop = part.blocks[b]
-            extra = ("embed + " if b == 0 else "") + ("" if b < part.num_blocks - 1 else " + head")
             layers = f"layer {first}" if stop - first == 1 else f"layers {first}-{stop - 1}"
+            parts = ["embed"] * (b == 0) + [layers] + ["head"] * (b == part.num_blocks - 1)
             out.append(
-                f"{extra}{layers}, {blk['num_params']:,} params, hash {blk['hash'][:12]}, "
+                f"{' + '.join(parts)}, {blk['num_params']:,} params, hash {blk['hash'][:12]}, "
                 f"{blk['file']}"
             )
         return out

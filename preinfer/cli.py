@@ -1,7 +1,7 @@
 """`preinfer` command line: parse, build, run. Each subcommand's work lives in pipelines/ or storage/.
 
-    preinfer tokenize --config configs/demo.yaml --set data.seq_len=64
-    preinfer cache build --block 2 --config configs/demo.yaml
+preinfer tokenize --config configs/demo.yaml --set data.seq_len=64
+preinfer cache build --block 2 --config configs/demo.yaml
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ MODES = ("bcd", "full", "bcd-recompute")
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config (see configs/)")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set train.lr=0.01",
     )
 
@@ -34,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--force", action="store_true", help="replace a store built from other inputs")
 
-    p = sub.add_parser("init", help="model (random init or local checkpoint) -> per-block checkpoint")
+    p = sub.add_parser(
+        "init", help="model (random init or local checkpoint) -> per-block checkpoint"
+    )
     _common(p)
     p.add_argument("--force", action="store_true", help="replace a different existing checkpoint")
 
@@ -42,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--batches", type=int, default=0, help="val batches (0 = all)")
 
-    p = sub.add_parser("demo", help="the whole pipeline on the built-in corpus, printing what it did")
+    p = sub.add_parser(
+        "demo", help="the whole pipeline on the built-in corpus, printing what it did"
+    )
+    _common(p)
+
+    p = sub.add_parser("report", help="plots + markdown summary of a run -> <run.dir>/report/")
     _common(p)
 
     p = sub.add_parser("config", help="print the resolved config (with field docs)")
@@ -60,17 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="build, refresh and manage activation caches")
     csub = cache.add_subparsers(dest="cache_cmd", required=True, metavar="CACHE_COMMAND")
-    for name, text in (("build", "hidden states entering block K, from tokens (Ray job)"),
-                       ("refresh", "boundary K from a current boundary K-1 cache through block K-1")):
+    for name, text in (
+        ("build", "hidden states entering block K, from tokens (Ray job)"),
+        ("refresh", "boundary K from a current boundary K-1 cache through block K-1"),
+    ):
         p = csub.add_parser(name, help=text)
         _common(p)
         _block(p)
-        p.add_argument("--round", type=int, default=0, help="rotation round (decides sampled subsets)")
+        p.add_argument(
+            "--round", type=int, default=0, help="rotation round (decides sampled subsets)"
+        )
     p = csub.add_parser("ls", help="list caches under a root")
     _common(p)
     p.add_argument("root", nargs="?", default=None, help="cache root (default: the config's)")
-    for name, text in (("inspect", "show one cache's manifest"),
-                       ("verify", "recompute checksums; non-zero exit on any bad shard")):
+    for name, text in (
+        ("inspect", "show one cache's manifest"),
+        ("verify", "recompute checksums; non-zero exit on any bad shard"),
+    ):
         p = csub.add_parser(name, help=text)
         _common(p)
         p.add_argument("fingerprint")
@@ -139,6 +156,13 @@ def _cmd_bcd(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from pipelines.report import run_report
+
+    run_report(_load(args))
+    return 0
+
+
 def _cmd_cache(args) -> int:
     from pipelines import cache_cli
 
@@ -154,6 +178,7 @@ COMMANDS = {
     "cache": _cmd_cache,
     "train": _cmd_train,
     "bcd": _cmd_bcd,
+    "report": _cmd_report,
 }
 
 
@@ -177,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preinfer {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"preinfer {args.cmd}: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(
+            f"preinfer {args.cmd}: interrupted; rerun the same command to resume", file=sys.stderr
+        )
         return 130
 
 

@@ -10,6 +10,7 @@ beside every output) names every path explicitly.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -63,6 +64,8 @@ class Config:
     """Block trainer and rotation."""
 
     def __post_init__(self):
+        # Absolute paths: Ray workers (actors, Train workers) do not share the driver's cwd.
+        self.run.dir = _absolute(self.run.dir)
         base = self.run.dir.rstrip("/")
         if self.data.out_dir is None:
             self.data.out_dir = f"{base}/tokens"
@@ -70,6 +73,9 @@ class Config:
             self.run.checkpoint = f"{base}/checkpoint"
         if self.cache.root is None:
             self.cache.root = f"{base}/cache"
+        self.data.out_dir = _absolute(self.data.out_dir)
+        self.run.checkpoint = _absolute(self.run.checkpoint)
+        self.cache.root = _absolute(self.cache.root)
         if self.model.checkpoint is None and self.data.seq_len > self.model.max_positions:
             raise ConfigError(
                 f"data.seq_len ({self.data.seq_len}) is larger than model.max_positions "
@@ -81,6 +87,13 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _absolute(path: str) -> str:
+    """Local paths made absolute; URLs (s3://, gs://, ...) and pkg: specs left as they are."""
+    if "://" in path or path.startswith("pkg:"):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def config_from_dict(data: dict) -> Config:

@@ -169,14 +169,18 @@ def load_yaml(path: str | Path) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {p} must hold a mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 
 def apply_override(data: dict, spec: str) -> None:
     """Apply one `section.key=value` override to nested dict `data` (value parsed as YAML)."""
     if "=" not in spec:
-        raise ConfigError(f"override {spec!r} must look like section.key=value (e.g. train.lr=0.01)")
+        raise ConfigError(
+            f"override {spec!r} must look like section.key=value (e.g. train.lr=0.01)"
+        )
     key, raw = spec.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) < 2 or not all(parts):

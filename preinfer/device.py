@@ -13,7 +13,9 @@ def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device=cuda but no CUDA device is visible; use run.device=auto or cpu")
+        raise ConfigError(
+            "run.device=cuda but no CUDA device is visible; use run.device=auto or cpu"
+        )
     return torch.device(device)
 
 

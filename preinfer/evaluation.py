@@ -21,8 +21,15 @@ def split_sample(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def evaluate_tokens(forward, store, *, split: str = "val", batch_size: int = 16,
-                    max_batches: int = 0, device: torch.device | str = "cpu") -> dict:
+def evaluate_tokens(
+    forward,
+    store,
+    *,
+    split: str = "val",
+    batch_size: int = 16,
+    max_batches: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict:
     """Mean loss and perplexity of `forward(input_ids) -> logits` over the first batches of a split.
 
     Deterministic: always the same leading batches, so evaluations are comparable over time.

@@ -29,7 +29,9 @@ class PreinferConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"preinfer.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.sample_fraction <= 1.0:
-            raise ConfigError(f"preinfer.sample_fraction must be in (0, 1], got {self.sample_fraction}")
+            raise ConfigError(
+                f"preinfer.sample_fraction must be in (0, 1], got {self.sample_fraction}"
+            )
         if self.cpus_per_actor <= 0:
             raise ConfigError(f"preinfer.cpus_per_actor must be > 0, got {self.cpus_per_actor}")
         for name in ("max_restarts", "max_task_retries"):

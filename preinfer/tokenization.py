@@ -85,8 +85,14 @@ def _iter_builtin() -> Iterator[Document]:
             yield Document(f.relative_to(root).as_posix(), text)
 
 
-_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-            ".parquet": "parquet"}
+_FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 
 
 def _local_files(paths: list[str]) -> list[Path]:
@@ -98,7 +104,9 @@ def _local_files(paths: list[str]) -> list[Path]:
         elif p.is_file():
             files.append(p)
         else:
-            raise CorpusError(f"data.source: {spec} does not exist; give a file, a directory or 'builtin'")
+            raise CorpusError(
+                f"data.source: {spec} does not exist; give a file, a directory or 'builtin'"
+            )
     if not files:
         raise CorpusError(f"data.source: no .txt/.jsonl/.parquet files under {', '.join(paths)}")
     bad = [f.name for f in files if f.suffix not in _FORMATS]

@@ -64,8 +64,14 @@ class TrainConfig:
         for name in ("rounds", "max_steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "eval_batches", "patience", "workers",
-                     "checkpoint_every"):
+        for name in (
+            "warmup_steps",
+            "eval_every",
+            "eval_batches",
+            "patience",
+            "workers",
+            "checkpoint_every",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and self.lr <= 0:
@@ -74,7 +80,9 @@ class TrainConfig:
             raise ConfigError(f"train.grad_clip must be >= 0, got {self.grad_clip}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.betas is not None and (len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas)):
+        if self.betas is not None and (
+            len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas)
+        ):
             raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
         if self.workers > 1 and self.batch_size % self.workers:
             raise ConfigError(
@@ -100,8 +108,18 @@ class TrainConfig:
 class TokenBatches:
     """Batches of (input_ids (b, S), labels (b, S)) from a token store split."""
 
-    def __init__(self, store, split: str, *, batch_size: int, seed: int, rank: int = 0,
-                 world: int = 1, shuffle: bool = True, indices: np.ndarray | None = None):
+    def __init__(
+        self,
+        store,
+        split: str,
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        shuffle: bool = True,
+        indices: np.ndarray | None = None,
+    ):
         self.store, self.split = store, split
         self.rows = np.arange(store.num_samples(split)) if indices is None else np.asarray(indices)
         if len(self.rows) < batch_size:
@@ -126,8 +144,17 @@ class TokenBatches:
 class CacheBatches:
     """Batches of (hidden (b, S, H) fp32, labels (b, S)) from an activation cache split."""
 
-    def __init__(self, cache, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,
-                 shuffle: bool = True, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        cache,
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        shuffle: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         n = cache.num_samples
         if n < batch_size:
             raise ConfigError(
@@ -141,9 +168,16 @@ class CacheBatches:
     def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from storage.reader import CacheDataset
 
-        ds = CacheDataset(self.cache, batch_size=self.batch_size // self.world,
-                          shuffle=self.shuffle, seed=self.seed, rank=self.rank,
-                          world_size=self.world, dtype=self.dtype, drop_last=True)
+        ds = CacheDataset(
+            self.cache,
+            batch_size=self.batch_size // self.world,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world,
+            dtype=self.dtype,
+            drop_last=True,
+        )
         ds.set_epoch(e)
         for i, (hidden, labels) in enumerate(ds):
             if i >= self.steps_per_epoch:
@@ -168,8 +202,9 @@ def endless(batches, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
     o = cfg.resolved_optim()
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"],
-                               weight_decay=o["weight_decay"])
+        return torch.optim.SGD(
+            params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"]
+        )
     cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
     return cls(params, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"])
 
@@ -208,8 +243,18 @@ def allreduce_grads(params: list[torch.nn.Parameter], world: int) -> None:
         offset += g.numel()
 
 
-def train_step(forward, params, optimizer, batch, cfg: TrainConfig, step: int, *,
-               device, precision: str = "auto", world: int = 1) -> float:
+def train_step(
+    forward,
+    params,
+    optimizer,
+    batch,
+    cfg: TrainConfig,
+    step: int,
+    *,
+    device,
+    precision: str = "auto",
+    world: int = 1,
+) -> float:
     """One optimizer step of the active parameters; returns this rank's loss."""
     x, labels = batch
     for group in optimizer.param_groups:

@@ -61,6 +61,18 @@ def append_metrics(cfg: Config, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def last_visit_summary(cfg: Config) -> dict:
+    """The newest "visit" record of the run's metrics.jsonl ({} if none)."""
+    last: dict = {}
+    path = Path(cfg.run.dir) / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("event") == "visit":
+                last = rec
+    return last
+
+
 def _save_state(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".partial-{os.getpid()}")
@@ -90,14 +102,17 @@ def _kill_step(block: int, round_: int) -> int:
 
 
 class Visit:
-    def __init__(self, cfg: Config, spec: VisitSpec, *, device: torch.device, rank: int = 0,
-                 world: int = 1):
+    def __init__(
+        self, cfg: Config, spec: VisitSpec, *, device: torch.device, rank: int = 0, world: int = 1
+    ):
         self.cfg, self.spec, self.device, self.rank, self.world = cfg, spec, device, rank, world
         self.ckpt = Checkpoint.open(cfg.run.checkpoint)
         self.M = self.ckpt.num_blocks
         K = spec.block
         if not 0 <= K < self.M:
-            raise ValueError(f"--block {K} is out of range: the checkpoint has blocks 0..{self.M - 1}")
+            raise ValueError(
+                f"--block {K} is out of range: the checkpoint has blocks 0..{self.M - 1}"
+            )
         self.K = K
         self.from_cache = spec.mode == "bcd" and K > 0
         first = K if spec.mode == "bcd" else 0
@@ -129,13 +144,20 @@ class Visit:
     def _data(self) -> None:
         cfg, spec = self.cfg, self.spec
         seed = (cfg.train.seed * 1000 + spec.round) * 1000 + spec.block  # data order per visit
-        kw = dict(batch_size=cfg.train.batch_size, seed=seed, rank=self.rank, world=self.world,
-                  shuffle=spec.shuffle)
+        kw = dict(
+            batch_size=cfg.train.batch_size,
+            seed=seed,
+            rank=self.rank,
+            world=self.world,
+            shuffle=spec.shuffle,
+        )
         if self.from_cache:
             from storage.reader import open_cache
 
             root = cfg.cache.root
-            self.train_cache = open_cache(root, spec.cache_train, expected_fingerprint=spec.cache_train)
+            self.train_cache = open_cache(
+                root, spec.cache_train, expected_fingerprint=spec.cache_train
+            )
             self.val_cache = open_cache(root, spec.cache_val, expected_fingerprint=spec.cache_val)
             self.batches = CacheBatches(self.train_cache, **kw)
         else:
@@ -149,11 +171,17 @@ class Visit:
         self.model.eval()
         B, nb = self.cfg.train.batch_size, self.cfg.train.eval_batches
         if self.from_cache:
-            data = CacheBatches(self.val_cache, batch_size=min(B, self.val_cache.num_samples),
-                                seed=0, shuffle=False)
+            data = CacheBatches(
+                self.val_cache, batch_size=min(B, self.val_cache.num_samples), seed=0, shuffle=False
+            )
         else:
-            data = TokenBatches(self.store, "val", batch_size=min(B, self.store.num_samples("val")),
-                                seed=0, shuffle=False)
+            data = TokenBatches(
+                self.store,
+                "val",
+                batch_size=min(B, self.store.num_samples("val")),
+                seed=0,
+                shuffle=False,
+            )
         total, count = 0.0, 0
         for i, (x, labels) in enumerate(data.epoch(0)):
             if nb and i >= nb:
@@ -198,14 +226,32 @@ class Visit:
             if step == kill_at:
                 os._exit(137)  # test-only: a trainer killed mid-block
             batch = next(data)
-            loss = self._mean(train_step(self.forward, self.params, opt, batch, tc, step,
-                                         device=self.device, precision=cfg.run.precision,
-                                         world=self.world))
+            loss = self._mean(
+                train_step(
+                    self.forward,
+                    self.params,
+                    opt,
+                    batch,
+                    tc,
+                    step,
+                    device=self.device,
+                    precision=cfg.run.precision,
+                    world=self.world,
+                )
+            )
             tokens += batch[1].numel() * self.world
             step += 1
-            rec = {"event": "step", "mode": spec.mode, "round": spec.round, "block": self.K,
-                   "step": step, "loss": loss, "tokens_per_s": tokens / (time.perf_counter() - t0),
-                   "peak_mem_mb": peak_memory_mb(self.device), "time": time.time()}
+            rec = {
+                "event": "step",
+                "mode": spec.mode,
+                "round": spec.round,
+                "block": self.K,
+                "step": step,
+                "loss": loss,
+                "tokens_per_s": tokens / (time.perf_counter() - t0),
+                "peak_mem_mb": peak_memory_mb(self.device),
+                "time": time.time(),
+            }
             evaluate = (tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps
             if evaluate:
                 val = self.evaluate()
@@ -220,20 +266,37 @@ class Visit:
                 stopped = "early_stop"
                 break
             if self.rank == 0 and tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                _save_state(spath, {"version": STATE_VERSION, "start_hash": start_hash,
-                                    "step": step, "best": best, "bad": bad,
-                                    "params": [p.detach().clone() for p in self.params],
-                                    "optim": opt.state_dict()})
+                _save_state(
+                    spath,
+                    {
+                        "version": STATE_VERSION,
+                        "start_hash": start_hash,
+                        "step": step,
+                        "best": best,
+                        "bad": bad,
+                        "params": [p.detach().clone() for p in self.params],
+                        "optim": opt.state_dict(),
+                    },
+                )
         if val is None:
             val = self.evaluate()
         elapsed = time.perf_counter() - t0
-        summary = {"event": "visit", "mode": spec.mode, "round": spec.round, "block": self.K,
-                   "steps": step, "stopped": stopped, "loss": loss, "val_loss": val,
-                   "seconds": elapsed, "tokens_per_s": tokens / max(elapsed, 1e-9),
-                   "peak_mem_mb": peak_memory_mb(self.device),
-                   "peak_mem_growth_mb": peak_memory_mb(self.device) - base_mem,
-                   "trainable_params": sum(p.numel() for p in self.params),
-                   "spec": asdict(spec)}
+        summary = {
+            "event": "visit",
+            "mode": spec.mode,
+            "round": spec.round,
+            "block": self.K,
+            "steps": step,
+            "stopped": stopped,
+            "loss": loss,
+            "val_loss": val,
+            "seconds": elapsed,
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+            "peak_mem_mb": peak_memory_mb(self.device),
+            "peak_mem_growth_mb": peak_memory_mb(self.device) - base_mem,
+            "trainable_params": sum(p.numel() for p in self.params),
+            "spec": asdict(spec),
+        }
         if self.rank == 0:
             self.commit()
             append_metrics(cfg, summary)

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -95,61 +94,9 @@ def free_disk_bytes(path: str | Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def _to_numpy(a: Any) -> np.ndarray:
-    return a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
-
-
-def samples_arrays(samples: Any, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """pyarrow.Table | dict | (sample_id, input_ids, labels) -> int64 [N], int32 [N,S] x 2."""
-    if isinstance(samples, pa.Table):
-        missing = {"sample_id", "input_ids", "labels"} - set(samples.column_names)
-        if missing:
-            raise CacheError(f"samples table lacks column(s) {sorted(missing)}")
-        cols = []
-        for name in ("input_ids", "labels"):
-            col = samples.column(name).combine_chunks()
-            lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
-            if len(lens) and (lens.min() != seq_len or lens.max() != seq_len):
-                raise CacheError(f"samples.{name}: every row must hold seq_len={seq_len} ids")
-            cols.append(pc.list_flatten(col).to_numpy().reshape(-1, seq_len))
-        sid, ids, labels = samples.column("sample_id").to_numpy(), *cols
-    elif isinstance(samples, dict):
-        sid, ids, labels = (_to_numpy(samples[k]) for k in ("sample_id", "input_ids", "labels"))
-    elif isinstance(samples, tuple | list) and len(samples) == 3:
-        sid, ids, labels = (_to_numpy(a) for a in samples)
-    else:
-        raise CacheError(
-            "samples must be a pyarrow.Table, a dict or a (sample_id, input_ids, labels) tuple, "
-            f"got {type(samples).__name__}"
-        )
-    n = len(sid)
-    for name, a in (("input_ids", ids), ("labels", labels)):
-        if a.shape != (n, seq_len) or not np.issubdtype(a.dtype, np.integer):
-            raise CacheError(
-                f"samples.{name} must be integers of shape ({n}, {seq_len}) (one row per "
-                f"sample_id, seq_len ids each), got {a.dtype} {a.shape}"
-            )
-        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
-            raise CacheError(f"samples.{name} has values outside int32")
-    if n == 0 or sid.ndim != 1 or not np.issubdtype(sid.dtype, np.integer):
-        raise CacheError(
-            f"samples.sample_id must be a non-empty 1-D integer array, got {sid!r:.80}"
-        )
-    if len(np.unique(sid)) != n:
-        raise CacheError("samples.sample_id has duplicates; each sample must appear once")
-    return sid.astype(np.int64), ids.astype(np.int32), labels.astype(np.int32)
-
-
-def samples_table(sid: np.ndarray, ids: np.ndarray, labels: np.ndarray) -> pa.Table:
-    n, s = ids.shape
-    offsets = pa.array(np.arange(0, n * s + 1, s, dtype=np.int32))
-
-    def lists(a):
-        return pa.ListArray.from_arrays(offsets, pa.array(a.reshape(-1), type=pa.int32()))
-
-    return pa.table(
-        {"sample_id": pa.array(sid, pa.int64()), "input_ids": lists(ids), "labels": lists(labels)}
-    )
+def is_complete(root: str | Path, fingerprint: str) -> bool:
+    """True if `<root>/<fingerprint>` has its manifest (checksums are the reader's job)."""
+    return (Path(root) / fingerprint / MANIFEST).is_file()
 
 
 def check_marker(cache_dir: Path, marker: dict, *, verify: bool = True) -> str | None:
@@ -206,7 +153,10 @@ class CacheWriter:
             meta_blob = json.loads(json.dumps(meta))
         except (TypeError, ValueError) as e:
             raise CacheError(f"cache meta must be JSON-serializable: {e}") from None
-        sid, ids, labels = samples_arrays(samples, seq_len)
+        try:
+            sid, ids, labels = codecs.samples_arrays(samples, seq_len)
+        except codecs.CodecError as e:
+            raise CacheError(str(e)) from None
         n, dtype = len(sid), cache_cfg.dtype
         rows = min(n, rows_per_shard(seq_len, hidden_size, dtype, cache_cfg.shard_mb))
         header = {
@@ -271,8 +221,8 @@ class CacheWriter:
         sp = cache_dir / SAMPLES
         if sp.exists():
             try:
-                old = samples_arrays(pq.read_table(sp), seq_len)
-            except (OSError, pa.ArrowException, CacheError) as e:
+                old = codecs.samples_arrays(pq.read_table(sp), seq_len)
+            except (OSError, pa.ArrowException, codecs.CodecError) as e:
                 raise CacheCorrupt(f"{sp} is unreadable ({e}); delete it and rerun") from None
             if not all(np.array_equal(a, b) for a, b in zip(old, (sid, ids, labels), strict=True)):
                 raise CacheError(
@@ -282,13 +232,35 @@ class CacheWriter:
                 )
         else:
             buf = pa.BufferOutputStream()
-            pq.write_table(samples_table(sid, ids, labels), buf, row_group_size=rows)
+            pq.write_table(codecs.samples_table(sid, ids, labels), buf, row_group_size=rows)
             atomic.write_bytes(sp, buf.getvalue().to_pybytes())
         if not (cache_dir / BUILD).exists():
             atomic.write_json(cache_dir / BUILD, {"header": header, "meta": meta_blob})
         (cache_dir / DONE).mkdir(exist_ok=True)
         atomic.clean_partials(cache_dir)
         return cls(cache_dir, header, meta_blob, jsons)
+
+    @classmethod
+    def open(cls, root: str | Path, fingerprint: str) -> CacheWriter:
+        """Open a cache that `create` made (e.g. in a worker that has no samples at hand)."""
+        d = Path(root) / fingerprint
+        try:
+            build = read_json(d / BUILD, "build file")
+            jsons = {n: (d / n / "zarr.json").read_bytes() for n in (HIDDEN, SCALE)
+                     if (d / n / "zarr.json").exists()}  # fmt: skip
+        except FileNotFoundError:
+            raise CacheError(
+                f"no cache {fingerprint} under {root} to write into; CacheWriter.create it first"
+            ) from None
+        attrs = json.loads(jsons.get(HIDDEN, b"{}") or b"{}").get("attributes", {})
+        if attrs.get("preinfer") != build["header"]:
+            raise CacheCorrupt(f"{d}: {BUILD} and {HIDDEN}/zarr.json disagree; delete and rebuild")
+        atomic.clean_partials(d)
+        return cls(d, build["header"], build.get("meta") or {}, jsons)
+
+    def read_input_ids(self, start: int, stop: int) -> np.ndarray:
+        """input_ids [stop-start, S] int32 of rows [start, stop) from samples.parquet."""
+        return codecs.read_samples(pq.ParquetFile(self.dir / SAMPLES), start, stop, "input_ids")
 
     # ----------------------------------------------------------------------- shards
 
@@ -366,12 +338,11 @@ class CacheWriter:
         manifest = self.dir / MANIFEST
         if manifest.exists():
             done = read_json(manifest, "manifest").get("shards", [])
-            if i < len(done) and done[i]["files"] == marker["files"]:
-                return marker
-            raise CacheError(
-                f"cache {self.dir} is complete and shard {i} would get other bytes than it "
-                "holds; a complete cache is immutable (delete it to rebuild)"
-            )
+            if not (i < len(done) and done[i]["files"] == marker["files"]):
+                raise CacheError(
+                    f"cache {self.dir} is complete and shard {i} would get other bytes than it "
+                    "holds; a complete cache is immutable (delete it to rebuild)"
+                )  # an identical rewrite goes on: it repairs a damaged shard file
         for rel, blob in blobs.items():
             atomic.write_bytes(self.dir / rel, blob)
         atomic.write_json(self.marker_path(i), marker)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -198,13 +197,9 @@ class Cache:
         self._check_range(start, stop)
         if self._pq is None:
             self._pq = pq.ParquetFile(self.dir / SAMPLES)
-        r = self._pq.metadata.row_group(0).num_rows
-        g0, g1 = start // r, (stop - 1) // r
-        t = self._pq.read_row_groups(list(range(g0, g1 + 1)), columns=["sample_id", "labels"])
-        t = t.slice(start - g0 * r, stop - start)
-        lab = pc.list_flatten(t.column("labels").combine_chunks()).to_numpy()
-        labels = torch.from_numpy(lab.reshape(stop - start, self.seq_len).astype(np.int64))
-        return labels, torch.from_numpy(t.column("sample_id").to_numpy().astype(np.int64))
+        lab = codecs.read_samples(self._pq, start, stop, "labels").astype(np.int64)
+        sids = codecs.read_samples(self._pq, start, stop, "sample_id").astype(np.int64)
+        return torch.from_numpy(lab), torch.from_numpy(sids)
 
     def read_rows(self, start: int, stop: int, dtype=torch.float32):
         """(hidden [n, S, H] in `dtype` (None: logical), labels [n, S] long, sample_ids [n])."""

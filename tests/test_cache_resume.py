@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from storage import atomic, codecs
-from storage.cache import CacheIncomplete, CacheWriter
+from storage.cache import CacheError, CacheIncomplete, CacheWriter, is_complete
 from storage.config import CacheConfig
 from storage.reader import open_cache
 
@@ -168,3 +168,25 @@ def test_partial_files_ignored_by_reader_and_cleaned_by_writer(tmp_path):
     assert c.verify() == []
     writer(tmp_path)  # reopening cleans stale temp files only
     assert not foreign.exists() and not dead.exists() and live.exists()
+
+
+def test_open_in_worker_reads_ids_and_repairs_complete_cache(tmp_path):
+    with pytest.raises(CacheError, match="create it first"):
+        CacheWriter.open(tmp_path, "fp")
+    writer(tmp_path)
+    w = CacheWriter.open(tmp_path, "fp")  # a worker: no samples at hand
+    assert w.num_shards == 5 and w.missing_shards() == [0, 1, 2, 3, 4]
+    assert np.array_equal(w.read_input_ids(5, 19), samples()[1][5:19])
+    x = hidden()
+    for i in range(w.num_shards):
+        w.write_shard(i, x[slice(*w.shard_range(i))])
+    assert not is_complete(tmp_path, "fp")
+    CacheWriter.open(tmp_path, "fp").finalize()
+    assert is_complete(tmp_path, "fp")
+    shard = tmp_path / "fp/hidden.zarr/c/2/0/0"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    w2 = CacheWriter.open(tmp_path, "fp")
+    assert w2.missing_shards() == [2]  # found by checksum
+    w2.write_shard(2, x[16:24])  # identical bytes: allowed on a complete cache, repairs it
+    assert shard.read_bytes() == good and open_cache(tmp_path, "fp", verify=True)

@@ -244,7 +244,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
 
 
 def test_samples_as_arrow_table_equal_arrays(tmp_path):
-    from storage.cache import samples_arrays, samples_table
+    from storage.codecs import samples_arrays, samples_table
 
     t = samples_table(*(np.asarray(a) for a in samples()))
     assert str(t.schema.field("input_ids").type) == "list<item: int32>"

@@ -1,4 +1,5 @@
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,8 @@ def test_override_types_and_resolved_paths():
     )
     assert cfg.train.lr == 0.5 and cfg.train.betas == [0.8, 0.9]
     assert cfg.data.out_dir == "/x/y/tokens" and cfg.cache.root == "/x/y/cache"
+    rel = load_config("configs/demo.yaml", ["run.dir=runs/rel"])
+    assert rel.run.checkpoint == os.path.abspath("runs/rel/checkpoint")
     again = load_config(None, [f"{k}={v}" for k, v in []])
     assert again.partition.num_blocks == 3
 

@@ -84,6 +84,7 @@ def test_killed_rotation_resumes_to_identical_weights(tiny_base, tmp_path):
     r = _cli(killed)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed bcd block 1 round 0 at step 2" in r.stdout
-    a = json.loads((clean / "checkpoint" / "checkpoint.json").read_text())
-    b = json.loads((killed / "checkpoint" / "checkpoint.json").read_text())
-    assert [x["sha256"] for x in a["blocks"]] == [x["sha256"] for x in b["blocks"]]
+    a = Checkpoint.open(clean / "checkpoint")
+    b = Checkpoint.open(killed / "checkpoint")
+    assert [a.block_hash(i) for i in range(3)] == [b.block_hash(i) for i in range(3)]
+    assert a.block_hash(1) != Checkpoint.open(tiny_base / "checkpoint").block_hash(1)

@@ -1,0 +1,299 @@
+"""Trainer step for block K: from the cache vs recomputing the frozen prefix vs full training.
+
+    .venv/bin/python bench/trainer_step.py [--config configs/demo.yaml] [--repeats 7]
+
+For the last block and a middle block of the config's model, in one run on one machine:
+- step time of `bcd` (input batch read from a real boundary-K cache), `bcd-recompute`
+  (prefix forward without grad, then the suffix) and `full` (every parameter), medians of
+  interleaved repeats;
+- the ideal cached/recompute ratio = time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd),
+  from bare forward/backward timings in the same run;
+- peak memory of each arm, each in a fresh subprocess: peak RSS growth over the process's
+  baseline after imports (CPU), or torch.cuda.max_memory_allocated on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from preinfer.adapters import forward_blocks  # noqa: E402
+from preinfer.checkpoint import Checkpoint, init_checkpoint, trainable_parameters  # noqa: E402
+from preinfer.config import load_config  # noqa: E402
+from preinfer.device import resolve_device  # noqa: E402
+from preinfer.trainer import CacheBatches, build_optimizer, peak_memory_mb, train_step  # noqa: E402
+
+
+def setup(cfg, work: Path):
+    ckpt_dir = work / "checkpoint"
+    if not (ckpt_dir / "checkpoint.json").exists():
+        init_checkpoint(cfg.model, cfg.partition.num_blocks, ckpt_dir)
+    return Checkpoint.open(ckpt_dir)
+
+
+def make_cache(cfg, ckpt, block: int, work: Path, n: int):
+    """A real boundary-`block` cache of n samples (random ids through the real prefix)."""
+    from storage.cache import CacheWriter
+    from storage.reader import open_cache
+
+    fp = f"bench-b{block}-{cfg.cache.dtype}-{n}"
+    root = work / "cache"
+    if (root / fp / "manifest.json").exists():
+        return open_cache(root, fp)
+    S, V = cfg.data.seq_len, ckpt.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (n, S + 1), generator=g)
+    model, adapter = ckpt.load(range(block))
+    w = CacheWriter.create(
+        root,
+        fp,
+        samples={
+            "sample_id": torch.arange(n).numpy(),
+            "input_ids": ids[:, :-1].numpy(),
+            "labels": ids[:, 1:].numpy(),
+        },
+        seq_len=S,
+        hidden_size=ckpt.hidden_size,
+        cache_cfg=cfg.cache,
+        meta={"bench": True},
+    )
+    with torch.inference_mode():
+        for i in w.missing_shards():
+            a, b = w.shard_range(i)
+            w.write_shard(i, forward_blocks(adapter, ckpt.partition, ids[a:b, :-1], 0, block))
+    w.finalize()
+    return open_cache(root, fp)
+
+
+class Arm:
+    """One way of taking a trainer step for block K (or all blocks, for full)."""
+
+    def __init__(self, name, cfg, ckpt, block, cache, device):
+        self.name, self.cfg, self.block, self.device = name, cfg, block, device
+        M = ckpt.num_blocks
+        first = block if name == "bcd" else 0
+        self.model, self.adapter = ckpt.load(range(first, M), device=device)
+        self.part, self.M = ckpt.partition, M
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        blocks = range(M) if name == "full" else [block]
+        self.params = list(
+            {
+                id(p): p
+                for b in blocks
+                for p in trainable_parameters(self.model, self.adapter, self.part, b)
+            }.values()
+        )
+        for p in self.params:
+            p.requires_grad_(True)
+        self.opt = build_optimizer(self.params, cfg.train)
+        B = cfg.train.batch_size
+        self.cache_batches = CacheBatches(cache, batch_size=B, seed=0) if name == "bcd" else None
+        self.ids = torch.randint(
+            0,
+            ckpt.vocab_size,
+            (B, cfg.data.seq_len + 1),
+            generator=torch.Generator().manual_seed(1),
+        )
+        self.it = None
+        self.step_i = 0
+
+    def forward(self, x):
+        if self.name == "bcd":
+            return forward_blocks(self.adapter, self.part, x, self.block, self.M)
+        if self.name == "full":
+            return forward_blocks(self.adapter, self.part, x, 0, self.M)
+        with torch.no_grad():
+            h = forward_blocks(self.adapter, self.part, x, 0, self.block)
+        return forward_blocks(self.adapter, self.part, h, self.block, self.M)
+
+    def batch(self):
+        if self.name != "bcd":
+            return self.ids[:, :-1], self.ids[:, 1:]
+        if self.it is None:
+            self.it = iter(self.cache_batches.epoch(0))
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.cache_batches.epoch(1))
+            return next(self.it)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        train_step(
+            self.forward,
+            self.params,
+            self.opt,
+            self.batch(),
+            self.cfg.train,
+            self.step_i,
+            device=self.device,
+        )
+        self.step_i += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def bare_ratio(arm_recompute: Arm, repeats: int) -> float:
+    """Ideal speed-up: time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd)."""
+    a, K, M = arm_recompute, arm_recompute.block, arm_recompute.M
+    x, labels = a.ids[:, :-1], a.ids[:, 1:]
+    with torch.no_grad():
+        h = forward_blocks(a.adapter, a.part, x, 0, K)
+    pre, suf = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            forward_blocks(a.adapter, a.part, x, 0, K)
+        t1 = time.perf_counter()
+        logits = forward_blocks(a.adapter, a.part, h, K, M)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        t2 = time.perf_counter()
+        a.opt.zero_grad(set_to_none=True)
+        pre.append(t1 - t0)
+        suf.append(t2 - t1)
+    p, s = statistics.median(pre), statistics.median(suf)
+    return (p + s) / s
+
+
+def memory_child(args) -> None:
+    """In a fresh process: baseline after imports, then peak growth over a few steps."""
+    cfg = load_config(args.config, args.set)
+    work = Path(args.work)
+    device = resolve_device(cfg.run.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = peak_memory_mb(device)
+    ckpt = Checkpoint.open(work / "checkpoint")
+    cache = make_cache(cfg, ckpt, args.block, work, args.samples) if args.arm == "bcd" else None
+    if device.type != "cuda":
+        base = peak_memory_mb(device)  # the cache was made before: measure the trainer alone
+    arm = Arm(args.arm, cfg, ckpt, args.block, cache, device)
+    for _ in range(3):
+        arm.step()
+    print(json.dumps({"peak_growth_mb": peak_memory_mb(device) - base}))
+
+
+def measure_memory(args, arm: str, block: int) -> float:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--arm",
+        arm,
+        "--block",
+        str(block),
+        "--work",
+        args.work,
+        "--config",
+        args.config,
+        "--samples",
+        str(args.samples),
+    ]
+    for s in args.set:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_growth_mb"]
+
+
+def run(args) -> dict:
+    cfg = load_config(args.config, args.set)
+    device = resolve_device(cfg.run.device)
+    work = Path(args.work)
+    ckpt = setup(cfg, work)
+    M = ckpt.num_blocks
+    rows = []
+    for block in sorted({M - 1, max(1, M // 2)}):
+        cache = make_cache(cfg, ckpt, block, work, args.samples)
+        arms = {
+            n: Arm(n, cfg, ckpt, block, cache, device) for n in ("bcd", "bcd-recompute", "full")
+        }
+        for a in arms.values():
+            a.step()  # warm-up
+        times = {n: [] for n in arms}
+        for _ in range(args.repeats):  # interleaved: noise hits every arm alike
+            for n, a in arms.items():
+                times[n].append(a.step())
+        med = {n: statistics.median(t) for n, t in times.items()}
+        ideal = bare_ratio(arms["bcd-recompute"], args.repeats)
+        del arms
+        mem = {n: measure_memory(args, n, block) for n in ("bcd", "bcd-recompute", "full")}
+        speedup = med["bcd-recompute"] / med["bcd"]
+        rows.append(
+            {
+                "block": block,
+                "of_blocks": M,
+                "step_ms": {n: 1000 * v for n, v in med.items()},
+                "speedup_cached_vs_recompute": speedup,
+                "ideal_ratio": ideal,
+                "speedup_over_ideal": speedup / ideal,
+                "peak_mem_growth_mb": mem,
+                "mem_bcd_over_full": mem["bcd"] / mem["full"],
+            }
+        )
+    return {
+        "bench": "trainer_step",
+        "config": args.config,
+        "device": str(device),
+        "memory": "peak RSS growth over the idle baseline (CPU)"
+        if device.type == "cpu"
+        else "torch.cuda.max_memory_allocated",
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
+def table(res: dict) -> str:
+    lines = [
+        "| block | bcd ms | recompute ms | full ms | cached/recompute | ideal | of ideal | "
+        "mem bcd MB | mem recompute MB | mem full MB | bcd/full mem |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        s, m = r["step_ms"], r["peak_mem_growth_mb"]
+        lines.append(
+            f"| {r['block']} of {r['of_blocks']} | {s['bcd']:.1f} | {s['bcd-recompute']:.1f} | "
+            f"{s['full']:.1f} | {r['speedup_cached_vs_recompute']:.2f}x | {r['ideal_ratio']:.2f}x | "
+            f"{r['speedup_over_ideal']:.2f} | {m['bcd']:.0f} | {m['bcd-recompute']:.0f} | "
+            f"{m['full']:.0f} | {r['mem_bcd_over_full']:.2f} |"
+        )
+    return "\n".join(lines) + f"\n\nmemory: {res['memory']}; medians of {res['repeats']} repeats"
+
+
+def main(argv=None) -> dict | None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--block", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        memory_child(args)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        args.work = args.work or tmp
+        res = run(args)
+    print(table(res))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
