@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not cluster" $(PYTEST_WORKERS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow or cluster"
+	$(PY) -m pytest -q -m "slow and not cluster"
+	$(PY) -m pytest -q -m cluster  # own process: `ray stop` ends every Ray on the machine
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,0 +1,185 @@
+"""Pre-inference throughput: `cache build` end to end vs the bare forward of the same prefix.
+
+    .venv/bin/python bench/preinfer_throughput.py [--documents 600] [--repeats 2]
+
+In one run on one machine, over the demo model cut into one block per layer:
+- tokens/s of `cache build --block K` (Ray already started; actor start-up, token reads,
+  forward, encoding, checksums, fsync and the manifest all included) vs the bare in-memory
+  forward of blocks 0..K-1 in the same dtype and micro-batch, on all threads of this process;
+- 1 vs 2 actors;
+- refresh of boundary K from K-1 vs build of K from tokens, for K = 2 and 3 (ideal ≈ 1/K of
+  the compute when blocks are equal; the ideal from bare forwards is printed beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipelines.init import run_init  # noqa: E402
+from pipelines.preinfer import build_cache, plan_caches, refresh_cache  # noqa: E402
+from pipelines.ray_env import ensure_ray  # noqa: E402
+from pipelines.tokenize import run_tokenize  # noqa: E402
+from preinfer.adapters import forward_blocks  # noqa: E402
+from preinfer.checkpoint import Checkpoint  # noqa: E402
+from preinfer.config import load_config  # noqa: E402
+from preinfer.device import torch_dtype  # noqa: E402
+from storage.tokens import TokenStore  # noqa: E402
+
+
+def quiet(*a, **k):
+    pass
+
+
+def tokens_total(cfg) -> int:
+    store = TokenStore(cfg.data.out_dir)
+    return (store.num_samples("train") + store.num_samples("val")) * store.seq_len
+
+
+def bare_forward(cfg, block: int, first: int = 0) -> float:
+    """Seconds of the bare forward of blocks [first, block) over all samples, in memory."""
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    dtype = torch_dtype(cfg.cache.dtype)
+    model, adapter = ckpt.load(range(first, block))
+    model.to(dtype).eval()
+    store = TokenStore(cfg.data.out_dir)
+    mb = cfg.preinfer.micro_batch
+    batches = []
+    for split in ("train", "val"):
+        ids = torch.from_numpy(store.read(split, 0, store.num_samples(split))[:, :-1]).long()
+        batches += list(ids.split(mb))
+    if first > 0:  # the input of a refresh: hidden entering block `first`
+        m0, a0 = ckpt.load(range(first))
+        m0.to(dtype).eval()
+        with torch.inference_mode():
+            batches = [forward_blocks(a0, ckpt.partition, x, 0, first) for x in batches]
+        del m0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for x in batches:
+            forward_blocks(adapter, ckpt.partition, x, first, block)
+    return time.perf_counter() - t0
+
+
+def timed_build(cfg, block: int, fn=build_cache) -> float:
+    """Seconds of one build (or refresh) of boundary `block`, its old caches removed first."""
+    for p in plan_caches(cfg, block, create=False):
+        shutil.rmtree(Path(cfg.cache.root) / p.fingerprint, ignore_errors=True)
+    t0 = time.perf_counter()
+    res = fn(cfg, block, log=quiet)
+    assert res["action"] in ("built", "refreshed"), res
+    return time.perf_counter() - t0
+
+
+def ensure_current(cfg, block: int) -> None:
+    if not all(p.complete for p in plan_caches(cfg, block, create=False)):
+        build_cache(cfg, block, log=quiet)
+
+
+def run(args) -> dict:
+    work = Path(args.work)
+    over = [
+        f"run.dir={work}",
+        f"data.max_documents={args.documents}",
+        "partition.num_blocks=6",
+        f"preinfer.micro_batch={args.micro_batch}",
+        f"cache.dtype={args.dtype}",
+    ]
+    cfg = load_config(args.config, over)
+    run_tokenize(cfg, log=quiet)
+    run_init(cfg, log=quiet)
+    ntok = tokens_total(cfg)
+    ensure_ray()  # excluded from every timing
+    threads = torch.get_num_threads()
+    rows = {}
+
+    def med(fn, n=args.repeats):
+        return statistics.median(fn() for _ in range(n))
+
+    K = args.block
+    bare = med(lambda: bare_forward(cfg, K))
+    for actors in (2, 1):
+        c = load_config(args.config, [*over, f"preinfer.actors={actors}"])
+        rows[f"build K={K}, {actors} actor(s)"] = med(lambda c=c: timed_build(c, K))
+    rows[f"bare forward K={K} ({threads} threads)"] = bare
+    refresh = {}
+    for k in (2, 3):
+        ensure_current(cfg, k - 1)  # the refresh's source stays; only boundary k is redone
+        build_t = med(lambda k=k: timed_build(cfg, k))
+        refresh_t = med(lambda k=k: timed_build(cfg, k, refresh_cache))
+        ideal = bare_forward(cfg, k, first=k - 1) / bare_forward(cfg, k)
+        refresh[k] = {
+            "build_s": build_t,
+            "refresh_s": refresh_t,
+            "refresh_over_build": refresh_t / build_t,
+            "ideal_bare": ideal,
+            "one_over_k": 1 / k,
+        }
+    return {
+        "bench": "preinfer_throughput",
+        "tokens": ntok,
+        "dtype": args.dtype,
+        "threads": threads,
+        "block": K,
+        "seconds": rows,
+        "tokens_per_s": {k: ntok / v for k, v in rows.items()},
+        "build_over_bare": {k: (ntok / v) / (ntok / bare) for k, v in rows.items()},
+        "refresh": refresh,
+        "repeats": args.repeats,
+    }
+
+
+def table(res: dict) -> str:
+    lines = [
+        f"workload: {res['tokens']:,} tokens (train+val), dtype {res['dtype']}, "
+        f"medians of {res['repeats']}",
+        "",
+        "| arm | seconds | tokens/s | vs bare forward |",
+        "|---|---|---|---|",
+    ]
+    for k, s in res["seconds"].items():
+        lines.append(
+            f"| {k} | {s:.1f} | {res['tokens_per_s'][k]:,.0f} | {res['build_over_bare'][k]:.2f} |"
+        )
+    lines += [
+        "",
+        "| boundary K | build s | refresh s | refresh/build | ideal (bare) | 1/K |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k, r in res["refresh"].items():
+        lines.append(
+            f"| {k} | {r['build_s']:.1f} | {r['refresh_s']:.1f} | "
+            f"{r['refresh_over_build']:.2f} | {r['ideal_bare']:.2f} | {r['one_over_k']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--documents", type=int, default=600)
+    ap.add_argument("--block", type=int, default=3)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--micro-batch", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/preinfer-bench-throughput")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    res = run(args)
+    print(table(res))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
