@@ -25,8 +25,10 @@ def main(args, cfg: Config) -> int:
     if cmd in ("build", "refresh"):
         from pipelines.preinfer import build_cache, refresh_cache
 
-        fn = build_cache if cmd == "build" else refresh_cache
-        res = fn(cfg, args.block, args.round)
+        if cmd == "build":
+            res = build_cache(cfg, args.block, args.round, verify=args.verify)
+        else:
+            res = refresh_cache(cfg, args.block, args.round)
         print(json.dumps(res))
         return 0
     root = getattr(args, "root", None) or cfg.cache.root
@@ -42,8 +44,8 @@ def main(args, cfg: Config) -> int:
             print(f"shard {shard}: {reason}")
         if bad:
             print(
-                f"verify: {args.fingerprint}: {len(bad)} bad shard(s); rebuild with "
-                "`preinfer cache build` (bad shards are rewritten)"
+                f"verify: {args.fingerprint}: {len(bad)} bad shard(s); repair with "
+                "`preinfer cache build --block K --verify` (rewrites only the bad shards)"
             )
             return 1
         print(f"verify: {args.fingerprint}: ok")
@@ -54,6 +56,8 @@ def main(args, cfg: Config) -> int:
         verb = "would remove" if args.dry_run else "removed"
         for fp, reason, nbytes in removed:
             print(f"{verb} {fp} ({reason}, {nbytes / 2**20:.1f} MiB)")
-        print(f"gc: {len(removed)} cache(s) {verb}; kept {len(keep)} in use")
+        print(
+            f"gc: {len(removed)} cache(s) {'would be removed' if args.dry_run else 'removed'}; kept {len(keep)} in use"
+        )
         return 0
     raise AssertionError(cmd)

@@ -100,9 +100,13 @@ def cache_meta(
 
 
 def plan_caches(
-    cfg: Config, block: int, round_: int = 0, *, create: bool = True
+    cfg: Config, block: int, round_: int = 0, *, create: bool = True, verify: bool = False
 ) -> list[CachePlan]:
-    """Fingerprints and missing shards of the train and val caches at boundary `block`."""
+    """Fingerprints and missing shards of the train and val caches at boundary `block`.
+
+    verify: recompute the checksums of a complete cache; shards that fail are planned again
+    (a repair rewrites exactly those, then the manifest).
+    """
     from storage.cache import CacheWriter, is_complete
 
     ckpt = Checkpoint.open(cfg.run.checkpoint)
@@ -117,8 +121,9 @@ def plan_caches(
         fp = fingerprint_for(cfg, ckpt, store, block, split, round_)
         idx = sample_indices(cfg, store, split, round_)
         if is_complete(cfg.cache.root, fp):
+            bad = CacheWriter.open(cfg.cache.root, fp).missing_shards(verify=True) if verify else []
             plans.append(
-                CachePlan(split=split, fingerprint=fp, indices=idx, complete=True, missing=[])
+                CachePlan(split=split, fingerprint=fp, indices=idx, complete=not bad, missing=bad)
             )
             continue
         missing: list[int] = []
@@ -281,9 +286,14 @@ def _finish(cfg: Config, plans: list[CachePlan]) -> None:
             CacheWriter.open(cfg.cache.root, p.fingerprint).finalize()
 
 
-def build_cache(cfg: Config, block: int, round_: int = 0, *, log=print) -> dict:
-    """Hidden states entering `block` for train and val, from tokens through blocks 0..block-1."""
-    plans = plan_caches(cfg, block, round_)
+def build_cache(
+    cfg: Config, block: int, round_: int = 0, *, verify: bool = False, log=print
+) -> dict:
+    """Hidden states entering `block` for train and val, from tokens through blocks 0..block-1.
+
+    verify: also check a complete cache's shards and rewrite any that fail (repair).
+    """
+    plans = plan_caches(cfg, block, round_, verify=verify)
     todo = sum(len(p.missing) for p in plans)
     if all(p.complete for p in plans):
         log(f"cache build: boundary {block} is current ({_fps(plans)}); nothing to do")

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
 from preinfer.confload import ConfigError
 from preinfer.device import resolve_device
 from preinfer.visit import Visit, VisitSpec, last_visit_summary
+from storage.tokens import TokenStore
 
 
 def visit_spec(cfg: Config, block: int, round_: int, mode: str) -> VisitSpec:
@@ -60,6 +62,13 @@ def run_train(
             "model.arch=bert: training needs a masked-LM objective, which preinfer does not "
             "implement yet; bert models are supported for caching (cache build) and reuse"
         )
+    # pre-flight in the driver: bad input fails here with one clear line, not inside a worker
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    if not 0 <= block < ckpt.num_blocks:
+        raise ConfigError(
+            f"--block {block} is out of range: the checkpoint has blocks 0..{ckpt.num_blocks - 1}"
+        )
+    TokenStore(cfg.data.out_dir)
     spec = visit_spec(cfg, block, round_, mode)
     workers = cfg.train.workers
     if workers == 0:

@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--round", type=int, default=0, help="rotation round (decides sampled subsets)"
         )
+        if name == "build":
+            p.add_argument(
+                "--verify",
+                action="store_true",
+                help="check a complete cache's shards and rewrite any that fail",
+            )
     p = csub.add_parser("ls", help="list caches under a root")
     _common(p)
     p.add_argument("root", nargs="?", default=None, help="cache root (default: the config's)")
