@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from preinfer.config import Config
+from preinfer.confload import ConfigError
+
+FP_RE = re.compile(r"[0-9a-f]{8,64}")
 
 
 def _referenced(run_dirs: list[str]) -> set[str]:
@@ -18,10 +22,22 @@ def _referenced(run_dirs: list[str]) -> set[str]:
     return keep
 
 
+def check_fingerprint(fp: str) -> str:
+    """A cache name is a hex fingerprint: nothing that could walk out of the cache root."""
+    if not FP_RE.fullmatch(fp):
+        raise ConfigError(
+            f"{fp!r} is not a cache fingerprint (8-64 lowercase hex characters); "
+            "`preinfer cache ls` lists them"
+        )
+    return fp
+
+
 def main(args, cfg: Config) -> int:
     from storage import tools
 
     cmd = args.cache_cmd
+    if getattr(args, "fingerprint", None) is not None:
+        check_fingerprint(args.fingerprint)
     if cmd in ("build", "refresh"):
         from pipelines.preinfer import build_cache, refresh_cache
 

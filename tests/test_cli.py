@@ -86,3 +86,19 @@ def test_cache_tools_verify_repair_and_gc(capsys, tiny_run):
     code, out, _ = run(capsys, "cache", "gc", *args)
     assert code == 0 and Path(cfg.cache.root, fps["train"]).is_dir()
     assert not Path(cfg.cache.root, fps["val"]).exists()
+
+
+@pytest.mark.parametrize("fp", ["../../etc", "/abs/path", "ABCDEF12", "a" * 65, "x"])
+def test_cache_names_cannot_escape_the_root(capsys, tmp_path, fp):
+    for cmd in ("inspect", "verify"):
+        code, _, err = run(
+            capsys,
+            "cache",
+            cmd,
+            fp,
+            "--config",
+            "configs/demo.yaml",
+            "--set",
+            f"run.dir={tmp_path}",
+        )
+        assert code == 2 and "not a cache fingerprint" in err
