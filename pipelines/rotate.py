@@ -50,14 +50,20 @@ def _event(cfg: Config, state: dict, **rec) -> None:
 
 
 def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -> str:
-    """Make the boundary-`block` caches current; returns 'reused', 'refreshed' or 'built'."""
+    """Make the boundary-`block` caches current: 'reused', 'repaired', 'refreshed' or 'built'."""
     from pipelines.preinfer import build_cache, plan_caches, refresh_cache
     from storage.cache import is_complete
 
     t0 = time.perf_counter()
-    plans = plan_caches(cfg, block, round_, create=False)
+    # a reused cache is re-checksummed (xxh3: cheap next to training on it): a shard damaged
+    # on disk since it was written is rewritten here instead of failing the trainer
+    plans = plan_caches(cfg, block, round_, create=False, verify=True)
     if all(p.complete for p in plans):
         action, fps = "reused", {p.split: p.fingerprint for p in plans}
+    elif any(is_complete(cfg.cache.root, p.fingerprint) for p in plans if not p.complete):
+        log(f"  boundary {block}: cache shards failed their checksum; rewriting them")
+        res = build_cache(cfg, block, round_, verify=True, log=log)
+        action, fps = "repaired", res["fingerprints"]
     else:
         prev_ok = block >= 2 and all(
             is_complete(cfg.cache.root, p.fingerprint)

@@ -1,4 +1,7 @@
 """File helpers. Atomic writes: write to `<name>.<host>.<pid>.<token>.partial`, fsync, os.replace.
+Checksums: xxh3_128 (fast: ~tens of GB/s, so every read can be verified); entries written as
+{"bytes": n, "checksum": {"algo": "xxh3_128", "value": hex}}; legacy {"sha256": hex} entries
+still verify.
 
 A reader never sees a half-written file under its real name: either the old bytes, the new
 bytes, or (before the first write) nothing. Temp names are unique per process, so several
@@ -15,8 +18,12 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import xxhash
 
 PARTIAL_SUFFIX = ".partial"
 # A temp file whose writer we cannot see (another host) is stale after this long.
@@ -34,21 +41,63 @@ def is_partial(path: str | Path) -> bool:
     return str(path).endswith(PARTIAL_SUFFIX)
 
 
-def write_bytes(path: str | Path, data: bytes | memoryview, *, fsync: bool = True) -> None:
-    """Write `data` to `path` atomically (temp file + os.replace)."""
+Buffer = Any  # bytes, bytearray, memoryview or a C-contiguous numpy array
+
+
+def _parts(data: Buffer | list[Buffer] | tuple[Buffer, ...]) -> list[Buffer]:
+    return list(data) if isinstance(data, list | tuple) else [data]
+
+
+def write_aside(path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True) -> Path:
+    """Write `data` (one buffer, or a list written back to back) to a fresh temp file next to
+    `path` (fsync'd unless fsync=False); returns the temp path for `commit` (or `discard`)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(p)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in _parts(data):
+                f.write(part)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, p)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return tmp
+
+
+def commit(tmp: Path, path: str | Path) -> None:
+    """Rename a `write_aside` temp file onto `path` (atomic)."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def discard(tmp: Path) -> None:
+    tmp.unlink(missing_ok=True)
+
+
+def write_bytes(path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True) -> None:
+    """Write `data` (one buffer, or a list written back to back) to `path` atomically
+    (temp file, fsync unless fsync=False, os.replace)."""
+    commit(write_aside(path, data, fsync=fsync), path)
+
+
+_io_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def background(fn, *args, **kwargs) -> Future:
+    """Run fn(*args, **kwargs) on this process's I/O thread (recreated after a fork).
+
+    Writes and fsyncs release the GIL, so the caller's numpy work overlaps with them.
+    """
+    global _io_pool
+    if _io_pool is None or _io_pool[0] != os.getpid():
+        _io_pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cache-io"))
+    return _io_pool[1].submit(fn, *args, **kwargs)
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -56,8 +105,8 @@ def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode()
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    write_bytes(path, json_bytes(obj))
+def write_json(path: str | Path, obj: Any, *, fsync: bool = True) -> None:
+    write_bytes(path, json_bytes(obj), fsync=fsync)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -110,14 +159,74 @@ def clean_partials(
     return out
 
 
+CHECKSUM_ALGO = "xxh3_128"
+_HASHERS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def hasher(algo: str = CHECKSUM_ALGO):
+    try:
+        return _HASHERS[algo]()
+    except KeyError:
+        raise ValueError(f"unknown checksum algorithm {algo!r}") from None
+
+
+def checksum(parts: Buffer | list[Buffer], algo: str = CHECKSUM_ALGO) -> str:
+    """Hex digest of the concatenation of `parts` (buffers: bytes, memoryview, numpy arrays)."""
+    h = hasher(algo)
+    for part in _parts(parts):
+        h.update(part)
+    return h.hexdigest()
+
+
+def checksum_entry(parts: Buffer | list[Buffer], algo: str = CHECKSUM_ALGO) -> dict:
+    """{"bytes": n, "checksum": {"algo", "value"}} of the concatenation of `parts`."""
+    parts = _parts(parts)
+    n = sum(memoryview(p).nbytes for p in parts)
+    return {"bytes": n, "checksum": {"algo": algo, "value": checksum(parts, algo)}}
+
+
+def entry_algo(entry: dict) -> tuple[str, str]:
+    """(algo, hex digest) recorded in a file entry (new style, or legacy {"sha256": hex})."""
+    c = entry.get("checksum")
+    if isinstance(c, dict):
+        return c["algo"], c["value"]
+    if "sha256" in entry:
+        return "sha256", entry["sha256"]
+    raise ValueError(f"file entry without a checksum: {entry!r}")
+
+
+def entry_matches(entry: dict, parts: Buffer | list[Buffer]) -> bool:
+    """True if `parts` have the entry's size and checksum (in the entry's own algorithm)."""
+    parts = _parts(parts)
+    if sum(memoryview(p).nbytes for p in parts) != entry["bytes"]:
+        return False
+    algo, want = entry_algo(entry)
+    return checksum(parts, algo) == want
+
+
+def checksum_file(
+    path: str | Path, algo: str = CHECKSUM_ALGO, chunk: int = 1 << 22
+) -> tuple[str, int]:
+    """(hex digest, size in bytes) of a file, read in `chunk`-byte pieces into one buffer."""
+    h, n = hasher(algo), 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))
+        view = memoryview(buf)
+        while got := f.readinto(buf):
+            h.update(view[:got])
+            n += got
+    return h.hexdigest(), n
+
+
+def file_matches(path: str | Path, entry: dict) -> bool:
+    """True if the file at `path` has the entry's size and checksum."""
+    algo, want = entry_algo(entry)
+    return checksum_file(path, algo) == (want, entry["bytes"])
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> tuple[str, int]:
     """(sha256 hex, size in bytes) of a file."""
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            n += len(block)
-    return h.hexdigest(), n
+    return checksum_file(path, "sha256", chunk)
 
 
 def dir_bytes(path: Path) -> int:
@@ -130,3 +239,16 @@ def human(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+def read_array(path: str | Path) -> np.ndarray:
+    """The whole file as a fresh, writable uint8 array (one read straight into it)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = np.empty(size, np.uint8)
+        view, got = memoryview(buf), 0
+        while got < size and (n := f.readinto(view[got:])):
+            got += n
+    if got != size:
+        raise OSError(f"{path} shrank while being read ({got} of {size} bytes)")
+    return buf

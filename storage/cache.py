@@ -6,18 +6,22 @@
       samples.parquet     sample_id int64, input_ids list<int32> [S], labels list<int32> [S];
                           one row group per shard (R rows), so a shard's labels are one read
       build.json          the caller's meta at creation (informational, for `cache ls`)
-      done/<i:05d>.json   marker of committed shard i: rows, sha256 + bytes of its files, stats
+      done/<i:05d>.json   marker of committed shard i: rows, xxh3_128 + bytes of its files, stats
       manifest.json       written LAST, after every marker: its presence means complete
 
 A writer task owns whole shards. A shard is encoded in memory with exactly the array's Zarr
 metadata (so its bytes are what Zarr itself would store, and Zarr never reads an old shard
-first), written aside as `<key>.<host>.<pid>.<tok>.partial`, and os.replace'd onto its key;
-then its marker. Encoding is deterministic, so a retried task writes identical bytes.
+first), written aside as `<key>.<host>.<pid>.<tok>.partial`, fsync'd and os.replace'd onto its
+key; then its marker. Encoding is deterministic, so a retried task writes identical bytes.
+
+Markers are written atomically but not fsync'd (FSYNC_MARKERS): a marker is a claim that is
+re-checked against the shard's bytes (size + checksum) before anything relies on it (resume,
+finalize), and its shard was fsync'd before it was written; so a marker lost or torn by a crash
+only means that shard is written again. The manifest, which readers trust, is fsync'd.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -27,13 +31,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from preinfer.fingerprint import CACHE_FORMAT_VERSION
 from storage import atomic, codecs
-from storage.atomic import dir_bytes, human, sha256_file
+from storage.atomic import checksum_entry, checksum_file, dir_bytes, entry_matches, human
 from storage.config import CacheConfig
 
+FSYNC_MARKERS = False  # see the module docstring
 HIDDEN, SCALE, SAMPLES, BUILD, DONE, MANIFEST = (
     "hidden.zarr",
     "scale.zarr",
@@ -100,15 +104,15 @@ def is_complete(root: str | Path, fingerprint: str) -> bool:
 
 
 def check_marker(cache_dir: Path, marker: dict, *, verify: bool = True) -> str | None:
-    """None if every file of the marker exists with its size (and sha256 if verify); else why."""
+    """None if every file of the marker exists with its size (and checksum if verify); else why."""
     for rel, want in marker["files"].items():
         p = cache_dir / rel
         if not p.is_file():
             return f"{rel} is missing"
         if p.stat().st_size != want["bytes"]:
             return f"{rel} has {p.stat().st_size} bytes, marker says {want['bytes']}"
-        if verify and sha256_file(p)[0] != want["sha256"]:
-            return f"{rel} sha256 differs from its done marker (bytes changed on disk)"
+        if verify and not atomic.file_matches(p, want):
+            return f"{rel} checksum differs from its done marker (bytes changed on disk)"
     return None
 
 
@@ -292,7 +296,7 @@ class CacheWriter:
         return marker
 
     def missing_shards(self, *, verify: bool = True) -> list[int]:
-        """Shards without a marker whose files match (sha256 too unless verify=False)."""
+        """Shards without a marker whose files match (checksum too unless verify=False)."""
         return [i for i in range(self.num_shards) if self._marker(i, verify=verify) is None]
 
     def write_shard(self, i: int, hidden: Any) -> dict:
@@ -309,45 +313,79 @@ class CacheWriter:
                 f"shard {i} covers rows [{start}, {stop}) and needs hidden of shape {want} "
                 f"(rows, seq_len, hidden_size), got {tuple(getattr(hidden, 'shape', ()))}"
             )
+        dtype = h["dtype"]
         try:
-            stored, scale = codecs.encode(hidden, h["dtype"])
+            given = codecs._as_float_tensor(hidden)
+            stored, scale = codecs.encode(given, dtype, check_finite=False)
         except codecs.CodecError as e:
             raise CacheError(f"shard {i} (rows {start}..{stop}): {e}") from None
-        given = codecs._as_float_tensor(hidden)
-        decoded = codecs.decode(stored, scale, h["dtype"], torch.float32)
-        exact = not codecs.is_lossy(h["dtype"]) and given.dtype == codecs.LOGICAL_TORCH[h["dtype"]]
-        blobs = {
-            f"{HIDDEN}/{codecs.shard_key(i, 3)}": codecs.encode_shard(
+        parts = {
+            f"{HIDDEN}/{codecs.shard_key(i, 3)}": codecs.encode_shard_parts(
                 self._json[HIDDEN], i, start, stored
             )
         }
         if scale is not None:
-            blobs[f"{SCALE}/{codecs.shard_key(i, 2)}"] = codecs.encode_shard(
+            parts[f"{SCALE}/{codecs.shard_key(i, 2)}"] = codecs.encode_shard_parts(
                 self._json[SCALE], i, start, scale
             )
-        marker = {
-            "shard": i,
-            "start": start,
-            "stop": stop,
-            "files": {
-                rel: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)}
-                for rel, b in blobs.items()
-            },
-            "stats": codecs.shard_stats(decoded, None if exact else given.float()),
-        }
         manifest = self.dir / MANIFEST
-        if manifest.exists():
+        complete = manifest.exists()
+        files = {rel: checksum_entry(p) for rel, p in parts.items()} if complete else {}
+        if complete:
             done = read_json(manifest, "manifest").get("shards", [])
-            if not (i < len(done) and done[i]["files"] == marker["files"]):
+            old = done[i]["files"] if i < len(done) else {}
+            if set(old) != set(parts) or not all(entry_matches(old[r], parts[r]) for r in parts):
                 raise CacheError(
                     f"cache {self.dir} is complete and shard {i} would get other bytes than it "
                     "holds; a complete cache is immutable (delete it to rebuild)"
                 )  # an identical rewrite goes on: it repairs a damaged shard file
-        for rel, blob in blobs.items():
-            atomic.write_bytes(self.dir / rel, blob)
-        atomic.write_json(self.marker_path(i), marker)
+        # the shard files are written (and fsync'd) aside on the I/O thread while this thread
+        # computes checksums and stats; they are renamed into place only if all went well
+        pending = [
+            (rel, atomic.background(atomic.write_aside, self.dir / rel, p))
+            for rel, p in parts.items()
+        ]
+        error: BaseException | None = None
+        try:
+            files = files or {rel: checksum_entry(p) for rel, p in parts.items()}
+            stats = self._stats(i, start, stop, given, stored, scale)
+        except BaseException as e:
+            error = e
+        tmps = []
+        for rel, fut in pending:  # wait for every write, even after an error
+            try:
+                tmps.append((rel, fut.result()))
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            for _, tmp in tmps:
+                atomic.discard(tmp)
+            raise error
+        for rel, tmp in tmps:
+            atomic.commit(tmp, self.dir / rel)
+        marker = {"shard": i, "start": start, "stop": stop, "files": files, "stats": stats}
+        atomic.write_json(self.marker_path(i), marker, fsync=FSYNC_MARKERS)
         self._good[i] = marker
         return marker
+
+    def _stats(self, i, start, stop, given, stored, scale) -> dict:
+        """The shard's value stats; CacheError if a value is NaN/inf (or overflowed)."""
+        dtype = self.header["dtype"]
+        exact = not codecs.is_lossy(dtype) and given.dtype == codecs.LOGICAL_TORCH[dtype]
+        try:  # one pass over the values: exact stats, and the NaN/inf check
+            if exact:  # stored == given bit for bit
+                return codecs.shard_stats(given)
+            return codecs.shard_stats(codecs.decode(stored, scale, dtype), given)
+        except codecs.CodecError:
+            bad = codecs.count_nonfinite(given)
+            why = (
+                f"{bad} of {given.numel()} hidden values are NaN/inf; the prefix model diverged "
+                "or overflowed; fix the model (or its dtype) before caching"
+                if bad
+                else f"hidden values up to {float(given.abs().max()):.4g} overflow {dtype}; "
+                "use cache.dtype=fp32"
+            )
+            raise CacheError(f"shard {i} (rows {start}..{stop}): {why}") from None
 
     # ----------------------------------------------------------------------- finalize
 
@@ -378,7 +416,7 @@ def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict
     stats, error = codecs.combine_stats([m["stats"] for m in markers])
     value_bytes = sum(f["bytes"] for m in markers for f in m["files"].values())
     others = {
-        rel: sha256_file(cache_dir / rel)
+        rel: checksum_file(cache_dir / rel)
         for rel in (SAMPLES, f"{HIDDEN}/zarr.json", f"{SCALE}/zarr.json")
         if (cache_dir / rel).exists()
     }
@@ -395,7 +433,10 @@ def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict
         "dtype": header["dtype"],
         "codec": {k: header[k] for k in ("codec", "shuffle", "level")},
         "shards": [{k: m[k] for k in ("shard", "start", "stop", "files")} for m in markers],
-        "files": {rel: {"sha256": d, "bytes": b} for rel, (d, b) in others.items()},
+        "files": {
+            rel: {"bytes": b, "checksum": {"algo": atomic.CHECKSUM_ALGO, "value": d}}
+            for rel, (d, b) in others.items()
+        },
         "stats": stats,
         "error": error,
         "total_bytes": value_bytes + sum(b for _, b in others.values()),

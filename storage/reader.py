@@ -1,25 +1,28 @@
 """Readers of a complete activation cache: `open_cache` -> `Cache`, `CacheDataset`, HF view.
 
-Every shard read checks the sha256 of the bytes it decodes against the manifest, so a
-flipped bit is a CacheCorrupt naming the shard, never a silently wrong activation.
+Every shard read checks the checksum (xxh3_128: tens of GB/s, a small fraction of the read) of
+the bytes it decodes against the manifest, so a flipped bit is a CacheCorrupt naming the shard,
+never a silently wrong activation. A shard file is read once, straight into a fresh buffer;
+with codec none the returned values are a view of that buffer (no decode copy).
 Leftover `*.partial` temp files are never opened (readers address files by their key).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
 from preinfer.fingerprint import CACHE_FORMAT_VERSION
 from storage import codecs
-from storage.atomic import sha256_file
+from storage.atomic import checksum, entry_algo, file_matches, read_array
 from storage.cache import (
     DONE,
     HIDDEN,
@@ -32,6 +35,7 @@ from storage.cache import (
     FingerprintMismatch,
     read_json,
 )
+from storage.codecs import stored_dtype
 
 
 def _flat(d, prefix="") -> dict:
@@ -68,7 +72,7 @@ def open_cache(
     `expected_fingerprint`; names differing meta fields when `expected_meta` is given or the
     expected cache's manifest exists under root), CacheCorrupt (checksums; all shards are
     hashed when verify=True, otherwise each shard when read; check_reads=False skips the
-    per-read sha256 (size checks only) for speed once a cache has been verified).
+    per-read checksum (size checks only) once a cache has been verified).
     """
     cdir = Path(root) if fingerprint is None else Path(root) / fingerprint
     fp = cdir.name
@@ -110,7 +114,7 @@ def open_cache(
         p = cdir / rel
         if not p.is_file() or p.stat().st_size != want_f["bytes"]:
             raise CacheCorrupt(f"{p} is missing or has the wrong size; rebuild the cache")
-        if (verify or rel.endswith("zarr.json")) and sha256_file(p)[0] != want_f["sha256"]:
+        if (verify or rel.endswith("zarr.json")) and not file_matches(p, want_f):
             raise CacheCorrupt(f"{p} does not match its manifest checksum; rebuild the cache")
     if verify:
         bad = cache.verify()
@@ -128,7 +132,7 @@ class Cache:
 
     def __init__(self, cache_dir: Path, manifest: dict, *, check_reads: bool = True):
         self.dir = Path(cache_dir)
-        self.check_reads = check_reads  # sha256 of every shard read (False: size only)
+        self.check_reads = check_reads  # checksum of every shard read (False: size only)
         self.manifest = manifest
         h = manifest["header"]
         self.num_samples = h["num_samples"]
@@ -140,11 +144,12 @@ class Cache:
             for n in (HIDDEN, SCALE)
             if (self.dir / n / "zarr.json").exists()
         }
-        self._last: tuple[int, dict[str, bytes]] | None = None  # last verified shard's bytes
+        self._last: tuple[int, dict[str, np.ndarray]] | None = None  # last partly read shard
+        self._last_samples: tuple[int, np.ndarray, np.ndarray] | None = None  # (group, ids, lab)
         self._pq: pq.ParquetFile | None = None
 
     def __getstate__(self):  # picklable for DataLoader workers: no open handles / buffers
-        return {**self.__dict__, "_last": None, "_pq": None}
+        return {**self.__dict__, "_last": None, "_last_samples": None, "_pq": None}
 
     def __repr__(self):
         return (
@@ -157,49 +162,148 @@ class Cache:
             raise CacheError(f"shard {i} out of range 0..{self.num_shards - 1}")
         return i * self.rows_per_shard, min((i + 1) * self.rows_per_shard, self.num_samples)
 
-    def _shard_bytes(self, i: int) -> dict[str, bytes]:
-        """{file: bytes} of shard i, each checked against the manifest's sha256."""
+    def _shard_bytes(self, i: int, *, keep: bool = True) -> tuple[dict[str, np.ndarray], bool]:
+        """({array: uint8 buffer} of shard i's files, each checked against the manifest, and
+        whether they are kept: keep=True remembers them for the next read of the same shard)."""
         if self._last is not None and self._last[0] == i:
-            return self._last[1]
+            return self._last[1], True
         out = {}
         for rel, want in self.manifest["shards"][i]["files"].items():
             try:
-                data = (self.dir / rel).read_bytes()
+                data = read_array(self.dir / rel)
             except FileNotFoundError:
                 raise CacheCorrupt(f"shard {i}: {rel} is missing; rebuild the cache") from None
-            if len(data) != want["bytes"] or (
-                self.check_reads and hashlib.sha256(data).hexdigest() != want["sha256"]
-            ):
+            algo, digest = entry_algo(want)
+            if len(data) != want["bytes"] or (self.check_reads and checksum(data, algo) != digest):
                 raise CacheCorrupt(
                     f"shard {i}: {self.dir / rel} does not match its checksum (bytes changed on "
                     "disk); delete the cache and rebuild it"
                 )
             out[rel.split("/", 1)[0]] = data
-        self._last = (i, out)
-        return out
+        self._last = (i, out) if keep else None
+        return out, keep
+
+    def _decode(self, name: str, i: int, blobs: dict, a: int, b: int) -> np.ndarray:
+        try:
+            return codecs.decode_shard(self._json[name], i, blobs[name], a, b)
+        except codecs.CodecError as e:
+            raise CacheCorrupt(
+                f"shard {i}: {name} cannot be decoded ({e}); rebuild the cache"
+            ) from None
+
+    def _read_into(self, i: int, dest: np.ndarray) -> bool:
+        """Read whole shard i's values straight into `dest` (its rows, C-contiguous), checked
+        like _shard_bytes: one copy, no decode. False if the shard is not stored that way
+        (compressed, lossy with a scale file, or another layout): use _shard_bytes then."""
+        files = self.manifest["shards"][i]["files"]
+        hc = codecs.shard_codec(self._json[HIDDEN])
+        span = hc.dense_payload(len(dest))
+        if len(files) != 1 or span is None:
+            return False
+        ((rel, want),) = files.items()
+        offset, nbytes = span
+        if want["bytes"] != nbytes + hc.index_nbytes:
+            return False
+        algo, digest = entry_algo(want)
+        index = np.empty(hc.index_nbytes, np.uint8)
+        parts = (
+            [index, memoryview(dest).cast("B")] if offset else [memoryview(dest).cast("B"), index]
+        )  # in file order
+        try:
+            with open(self.dir / rel, "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size != want["bytes"]:
+                    raise CacheCorrupt(
+                        f"shard {i}: {self.dir / rel} does not have the size its manifest "
+                        "records (bytes changed on disk); delete the cache and rebuild it"
+                    )
+                for part in parts:
+                    view, got = memoryview(part).cast("B"), 0
+                    while got < len(view) and (k := f.readinto(view[got:])):
+                        got += k
+        except FileNotFoundError:
+            raise CacheCorrupt(f"shard {i}: {rel} is missing; rebuild the cache") from None
+        if self.check_reads and checksum(parts, algo) != digest:
+            raise CacheCorrupt(
+                f"shard {i}: {self.dir / rel} does not match its checksum (bytes changed on "
+                "disk); delete the cache and rebuild it"
+            )
+        try:
+            return hc.is_dense(hc.parse_index(index), len(dest))
+        except codecs.CodecError as e:
+            raise CacheCorrupt(
+                f"shard {i}: {HIDDEN} cannot be decoded ({e}); rebuild the cache"
+            ) from None
 
     def read_stored(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Raw stored values [n, S, H] (+ scale [n, S] for lossy) of rows [start, stop)."""
+        """Raw stored values [n, S, H] (+ scale [n, S] for lossy) of rows [start, stop).
+
+        The arrays are the caller's own (never shared with another call's result). A read of
+        several shards goes straight into one output array (codec none: file -> result, one
+        copy); a single whole shard is read into a fresh buffer and viewed (codec none) or
+        decoded; part of a shard is cut from the shard's bytes, kept for the next read.
+        """
         self._check_range(start, stop)
-        vals, scales = [], []
-        for i in range(start // self.rows_per_shard, (stop - 1) // self.rows_per_shard + 1):
+        first, last = start // self.rows_per_shard, (stop - 1) // self.rows_per_shard
+        pieces = []
+        for i in range(first, last + 1):
             s0, s1 = self.shard_range(i)
-            a, b = max(s0, start), min(s1, stop)
-            blobs = self._shard_bytes(i)
-            vals.append(codecs.decode_shard(self._json[HIDDEN], i, blobs[HIDDEN], a, b))
+            pieces.append(
+                (i, max(s0, start), min(s1, stop), (max(s0, start), min(s1, stop)) == (s0, s1))
+            )
+        if len(pieces) == 1:
+            i, a, b, whole = pieces[0]
+            blobs, kept = self._shard_bytes(i, keep=not whole)
+            v = self._decode(HIDDEN, i, blobs, a, b)
+            sc = self._decode(SCALE, i, blobs, a, b) if SCALE in blobs else None
+            if kept:  # a view of kept bytes would be shared with later reads: copy it
+                v = v.copy() if v.base is not None else v
+                sc = sc.copy() if sc is not None and sc.base is not None else sc
+            return v, sc
+        hc = codecs.shard_codec(self._json[HIDDEN])
+        out = np.empty((stop - start, *hc.shape[1:]), stored_dtype(self.dtype))
+        scales = []
+        for i, a, b, whole in pieces:
+            dest = out[a - start : b - start]
+            if whole and self._read_into(i, dest):
+                continue
+            blobs, _ = self._shard_bytes(i, keep=not whole)
+            dest[...] = self._decode(HIDDEN, i, blobs, a, b)
             if SCALE in blobs:
-                scales.append(codecs.decode_shard(self._json[SCALE], i, blobs[SCALE], a, b))
-        cat = lambda xs: xs[0] if len(xs) == 1 else np.concatenate(xs)  # noqa: E731
-        return cat(vals), (cat(scales) if scales else None)
+                scales.append(self._decode(SCALE, i, blobs, a, b))
+        return out, (np.concatenate(scales) if scales else None)
+
+    def _samples_group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample_id int64 [r], labels int32 [r, S]) of samples.parquet row group g (= shard g)."""
+        if self._last_samples is not None and self._last_samples[0] == g:
+            return self._last_samples[1:]
+        sids, lab = self._samples_groups([g])
+        self._last_samples = (g, sids, lab)
+        return sids, lab
+
+    def _samples_groups(self, groups: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        if self._pq is None:
+            self._pq = pq.ParquetFile(self.dir / SAMPLES)
+        t = self._pq.read_row_groups(groups, columns=["sample_id", "labels"])
+        sids = t.column(0).to_numpy()
+        lab = pc.list_flatten(t.column(1)).to_numpy().reshape(len(sids), -1)
+        return sids, lab
 
     def read_labels(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(labels [n, S] long, sample_ids [n] long) of rows [start, stop)."""
         self._check_range(start, stop)
         if self._pq is None:
             self._pq = pq.ParquetFile(self.dir / SAMPLES)
-        lab = codecs.read_samples(self._pq, start, stop, "labels").astype(np.int64)
-        sids = codecs.read_samples(self._pq, start, stop, "sample_id").astype(np.int64)
-        return torch.from_numpy(lab), torch.from_numpy(sids)
+        r = self._pq.metadata.row_group(0).num_rows
+        g0, g1 = start // r, (stop - 1) // r
+        if g0 == g1:  # one group (a shard): kept for the next read
+            ids, lab = self._samples_group(g0)
+        else:
+            ids, lab = self._samples_groups(list(range(g0, g1 + 1)))
+        a, b = start - g0 * r, stop - g0 * r
+        return (  # astype copies: fresh arrays, never the kept group
+            torch.from_numpy(lab[a:b].astype(np.int64)),
+            torch.from_numpy(ids[a:b].astype(np.int64)),
+        )
 
     def read_rows(self, start: int, stop: int, dtype=torch.float32):
         """(hidden [n, S, H] in `dtype` (None: logical), labels [n, S] long, sample_ids [n])."""
@@ -228,12 +332,12 @@ class Cache:
                 p = self.dir / rel
                 if not p.is_file():
                     bad.append((i, f"{rel} is missing"))
-                elif sha256_file(p) != (want["sha256"], want["bytes"]):
+                elif not file_matches(p, want):
                     bad.append((i, f"{rel} does not match its checksum"))
                     break
         for rel, want in self.manifest["files"].items():
             p = self.dir / rel
-            if not p.is_file() or sha256_file(p) != (want["sha256"], want["bytes"]):
+            if not p.is_file() or not file_matches(p, want):
                 bad.append((-1, f"{rel} is missing or does not match its checksum"))
         return bad
 

@@ -186,3 +186,76 @@ def test_rank_pieces_wraps():
     order = [(10, 15), (0, 5), (5, 10)]
     assert rank_pieces(15, order, 3, 12) == [(13, 15), (0, 5), (5, 7)]
     assert rank_pieces(15, order, 13, 17) == [(8, 10), (10, 12)]
+
+
+def test_reads_are_the_callers_own_arrays(tmp_path):
+    build(tmp_path, dtype="bf16")
+    c = open_cache(tmp_path, "fp")
+    want = c.read_rows(0, N, dtype=None)[0].clone()
+    for a, b in ((8, 16), (10, 13), (8, 16), (10, 13), (3, 21)):  # whole, partial (kept), ...
+        h = c.read_rows(a, b, dtype=None)[0]
+        assert torch.equal(h, want[a:b])
+        h.fill_(7)  # the caller may scribble on what it got ...
+        stored, _ = c.read_stored(a, b)
+        stored[...] = 1
+    assert torch.equal(c.read_rows(0, N, dtype=None)[0], want)  # ... never on the cache's
+
+
+def test_flipped_index_byte_and_legacy_sha256_manifest(tmp_path):
+    import json
+
+    from storage import atomic
+
+    build(tmp_path)
+    d = tmp_path / "fp"
+    # a cache written when checksums were sha256 still opens, verifies and reads
+    m = json.loads((d / "manifest.json").read_text())
+    for entry in [f for sh in m["shards"] for f in sh["files"].values()] + list(
+        m["files"].values()
+    ):
+        path = next(p for p in d.rglob("*") if p.is_file() and entry["checksum"]["value"]
+                    == atomic.checksum_file(p)[0])  # fmt: skip
+        entry.pop("checksum")
+        entry["sha256"] = atomic.sha256_file(path)[0]
+    (d / "manifest.json").write_text(json.dumps(m))
+    c = open_cache(tmp_path, "fp", verify=True)
+    assert c.read_rows(0, N)[0].shape == (N, S, H) and verify_cache(tmp_path, "fp") == []
+    shard = d / "hidden.zarr/c/1/0/0"
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x10  # inside the shard index
+    shard.write_bytes(bytes(data))
+    assert [i for i, _ in verify_cache(tmp_path, "fp")] == [1]
+    with pytest.raises(CacheCorrupt, match="shard 1"):
+        open_cache(tmp_path, "fp").read_shard(1)
+    with pytest.raises(CacheCorrupt, match="shard 1: hidden.zarr cannot be decoded"):
+        open_cache(tmp_path, "fp", check_reads=False).read_shard(1)  # crc32c of the index
+
+
+def test_multi_shard_reads_go_straight_into_the_result_and_are_checked(tmp_path):
+    c = CacheConfig(dtype="bf16", codec="none", shuffle="none", shard_mb=R * S * H * 2 / 2**20)
+    labels = np.tile(np.arange(N)[:, None], (1, S))
+    w = CacheWriter.create(
+        tmp_path, "fp", samples=(np.arange(N), labels, labels), seq_len=S, hidden_size=H,
+        cache_cfg=c, meta={},
+    )  # fmt: skip
+    x = torch.randn(N, S, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for i in range(w.num_shards):
+        w.write_shard(i, x[slice(*w.shard_range(i))])
+    w.finalize()
+    cache = open_cache(tmp_path, "fp")
+    for a, b in ((0, N), (8, 32), (3, 37), (8, 16)):
+        h, lab, sid = cache.read_rows(a, b, dtype=None)
+        assert torch.equal(h.view(torch.int16), x[a:b].view(torch.int16))
+        assert torch.equal(lab[:, 0], torch.arange(a, b)) and torch.equal(sid, torch.arange(a, b))
+    shard = tmp_path / "fp/hidden.zarr/c/2/0/0"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x04  # a value byte
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheCorrupt, match="shard 2"):
+        open_cache(tmp_path, "fp").read_rows(0, N)
+    assert torch.equal(open_cache(tmp_path, "fp").read_rows(24, 40)[0], x[24:40].float())
+    data[100] ^= 0x04
+    data[-3] ^= 0x01  # the index's crc32c: caught even without the per-read checksum
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheCorrupt, match="shard 2: hidden.zarr cannot be decoded"):
+        open_cache(tmp_path, "fp", check_reads=False).read_rows(0, N)

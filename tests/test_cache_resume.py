@@ -64,10 +64,10 @@ def test_resume_after_crash_writes_only_missing_shards(tmp_path, monkeypatch, dt
     # shard 2: its files land, then the process dies before the done marker
     real = atomic.write_json
 
-    def die_on_marker(path, obj):
+    def die_on_marker(path, obj, **kw):
         if "done" in str(path):
             raise Crash
-        real(path, obj)
+        real(path, obj, **kw)
 
     monkeypatch.setattr(atomic, "write_json", die_on_marker)
     with pytest.raises(Crash):
@@ -92,8 +92,10 @@ def test_resume_after_crash_writes_only_missing_shards(tmp_path, monkeypatch, dt
     assert missing == [1, 2, 3, 4]
     assert w2.missing_shards(verify=False) == [2, 3, 4]  # size-only check misses the flip
     calls = []
-    real_encode = codecs.encode_shard
-    monkeypatch.setattr(codecs, "encode_shard", lambda *a: calls.append(a[1]) or real_encode(*a))
+    real_encode = codecs.encode_shard_parts
+    monkeypatch.setattr(
+        codecs, "encode_shard_parts", lambda *a: calls.append(a[1]) or real_encode(*a)
+    )
     for i in missing:
         w2.write_shard(i, x[slice(*w2.shard_range(i))])
     per_shard = 2 if dtype == "int8" else 1  # hidden (+ scale) per shard
@@ -190,3 +192,26 @@ def test_open_in_worker_reads_ids_and_repairs_complete_cache(tmp_path):
     assert w2.missing_shards() == [2]  # found by checksum
     w2.write_shard(2, x[16:24])  # identical bytes: allowed on a complete cache, repairs it
     assert shard.read_bytes() == good and open_cache(tmp_path, "fp", verify=True)
+
+
+def test_failed_background_write_commits_nothing(tmp_path, monkeypatch):
+    w = writer(tmp_path)
+    x = hidden()
+    real = atomic.write_aside
+
+    def disk_full(path, data, **kw):
+        if "c/2/" in str(path):
+            tmp = real(path, data, **kw)  # a temp file exists, then the device fails
+            tmp.unlink()
+            raise OSError(28, "No space left on device")
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(atomic, "write_aside", disk_full)
+    w.write_shard(1, x[8:16])
+    with pytest.raises(OSError, match="No space"):
+        w.write_shard(2, x[16:24])
+    assert not (tmp_path / "fp/hidden.zarr/c/2/0/0").exists()
+    assert not (tmp_path / "fp/done/00002.json").exists()
+    assert not list(tmp_path.rglob("*.partial"))
+    monkeypatch.setattr(atomic, "write_aside", real)
+    assert writer(tmp_path).missing_shards() == [0, 2, 3, 4]

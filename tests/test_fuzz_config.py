@@ -95,7 +95,6 @@ def test_override_strings(spec):
                 "model.hidden_size=7",
                 "data.val_fraction=1.5",
                 "run.device=tpu",
-                "data.source=/nonexistent",
                 "train.betas=[2,3]",
                 "preinfer.sample_fraction=0",
                 "model.num_kv_heads=3",

@@ -1,0 +1,122 @@
+"""Real hidden states for the cache codec benchmark: .npy float32 [N, S, H] at a block boundary.
+
+    python bench/hidden_states.py [--model minilm gpt2] [--samples 256] [--docs 40]
+                                  [--boundary K] [--out /tmp/preinfer_hidden]
+
+minilm: the pretrained MiniLM-L6 (configs/minilm.yaml, its own WordPiece tokenizer) over the
+built-in corpus; gpt2: the randomly initialised GPT-2 layout of configs/demo.yaml. Each runs
+the project's own stages (tokenize, init) in a run directory under --out, loads blocks
+[0, K) of the checkpoint and computes the hidden state entering block K in float32 (default
+K = ceil(M / 2), a middle boundary; M = partition.num_blocks = 3 in both configs, so K = 2).
+Outputs `<out>/<model>_d<docs>_s<S>_n<samples>_k<K|mid>.npy` and a .json beside it saying what
+it holds (N may be below --samples if the corpus is short); an existing output is reused
+(delete it to recompute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {"minilm": "configs/minilm.yaml", "gpt2": "configs/demo.yaml"}
+DEFAULT_OUT = Path("/tmp/preinfer_hidden")
+
+
+def generate(
+    model: str,
+    out: Path = DEFAULT_OUT,
+    *,
+    samples: int = 256,
+    docs: int = 40,
+    seq_len: int = 128,
+    boundary: int | None = None,
+    log=print,
+) -> Path:
+    """Path of the .npy of `model`'s hidden states (computed unless already there)."""
+    from pipelines.init import run_init
+    from pipelines.tokenize import run_tokenize
+    from preinfer.adapters import forward_blocks
+    from preinfer.checkpoint import Checkpoint
+    from preinfer.config import load_config
+
+    out = Path(out)
+    tag = f"{model}_d{docs}_s{seq_len}_n{samples}_k{'mid' if boundary is None else boundary}"
+    path = out / f"{tag}.npy"
+    if path.exists():
+        return path
+    run_dir = out / f"run_{model}_d{docs}_s{seq_len}"
+    cfg = load_config(
+        ROOT / CONFIGS[model],
+        [f"run.dir={run_dir}", f"data.max_documents={docs}", f"data.seq_len={seq_len}"],
+    )
+    quiet = lambda *a, **k: None  # noqa: E731
+    store = run_tokenize(cfg, log=quiet)
+    run_init(cfg, log=quiet)
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    m = ckpt.num_blocks
+    k = (m + 1) // 2 if boundary is None else boundary
+    if not 1 <= k < m:
+        raise SystemExit(f"--boundary must be in 1..{m - 1} (the model has {m} blocks)")
+    n = min(samples, store.num_samples("train"))
+    t0 = time.perf_counter()
+    net, adapter = ckpt.load(range(k))
+    ids = torch.from_numpy(store.read("train", 0, n)[:, :seq_len].astype(np.int64))
+    with torch.inference_mode():
+        parts = [
+            forward_blocks(adapter, ckpt.partition, ids[i : i + 16], 0, k).float()
+            for i in range(0, n, 16)
+        ]
+    hidden = torch.cat(parts).numpy()
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, hidden)
+    tmp.replace(path)
+    info = {
+        "model": model,
+        "config": CONFIGS[model],
+        "arch": cfg.model.arch,
+        "pretrained": cfg.model.checkpoint is not None,
+        "boundary": k,
+        "num_blocks": m,
+        "shape": list(hidden.shape),
+        "dtype": "float32",
+        "docs": docs,
+        "seq_len": seq_len,
+        "absmax": float(np.abs(hidden).max()),
+        "std": float(hidden.std()),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    path.with_suffix(".json").write_text(json.dumps(info, indent=1))
+    log(f"{model}: wrote {path} {hidden.shape} ({info['seconds']} s)")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", nargs="+", choices=sorted(CONFIGS), default=["minilm", "gpt2"])
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--docs", type=int, default=40)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--boundary", type=int)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    for m in a.model:
+        p = generate(
+            m, a.out, samples=a.samples, docs=a.docs, seq_len=a.seq_len, boundary=a.boundary
+        )
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
