@@ -27,8 +27,10 @@ from preinfer.trainer import (
     CacheBatches,
     TokenBatches,
     build_optimizer,
+    current_memory_mb,
     endless,
     peak_memory_mb,
+    reset_peak_memory,
     train_step,
 )
 from storage.tokens import TokenStore
@@ -106,6 +108,9 @@ class Visit:
         self, cfg: Config, spec: VisitSpec, *, device: torch.device, rank: int = 0, world: int = 1
     ):
         self.cfg, self.spec, self.device, self.rank, self.world = cfg, spec, device, rank, world
+        # memory of this visit = peak over what the process held before loading anything
+        reset_peak_memory(device)
+        self.mem_base = current_memory_mb(device)
         self.ckpt = Checkpoint.open(cfg.run.checkpoint)
         self.M = self.ckpt.num_blocks
         K = spec.block
@@ -218,7 +223,6 @@ class Visit:
             if self.rank == 0:
                 log(f"  resumed {spec.mode} block {self.K} round {spec.round} at step {step}")
         kill_at = _kill_step(self.K, spec.round)
-        base_mem = peak_memory_mb(self.device)
         data = endless(self.batches, step)
         t0, tokens, stopped = time.perf_counter(), 0, "max_steps"
         loss = float("nan")
@@ -293,7 +297,7 @@ class Visit:
             "seconds": elapsed,
             "tokens_per_s": tokens / max(elapsed, 1e-9),
             "peak_mem_mb": peak_memory_mb(self.device),
-            "peak_mem_growth_mb": peak_memory_mb(self.device) - base_mem,
+            "peak_mem_growth_mb": peak_memory_mb(self.device) - self.mem_base,
             "trainable_params": sum(p.numel() for p in self.params),
             "spec": asdict(spec),
         }
