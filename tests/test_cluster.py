@@ -36,15 +36,26 @@ def ray_cluster():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     port, dash = free_port(), free_port()
-    start = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-             "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"]
+    start = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--num-cpus=2",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--temp-dir={temp}",
+        "--disable-usage-stats",
+    ]
     try:
         subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
         yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            [str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120
+        )
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -53,14 +64,30 @@ def test_job_submit_builds_a_cache_that_verifies(ray_cluster, tiny_run):
     sets = []
     for s in [*TINY, f"run.dir={cfg.run.dir}"]:
         sets += ["--set", s]
-    entry = [str(BIN / "preinfer"), "cache", "build", "--block", "2", "--config",
-             str(REPO / "configs/demo.yaml"), *sets]
-    submit = [str(BIN / "ray"), "job", "submit", "--address", ray_cluster["dashboard"],
-              "--", *entry]
+    entry = [
+        str(BIN / "preinfer"),
+        "cache",
+        "build",
+        "--block",
+        "2",
+        "--config",
+        str(REPO / "configs/demo.yaml"),
+        *sets,
+    ]
+    submit = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        ray_cluster["dashboard"],
+        "--",
+        *entry,
+    ]
     deadline = time.time() + 60
     while True:  # the job server comes up a little after `ray start` returns
-        r = subprocess.run(submit, env=ray_cluster["env"], capture_output=True, text=True,
-                           timeout=600)
+        r = subprocess.run(
+            submit, env=ray_cluster["env"], capture_output=True, text=True, timeout=600
+        )
         if r.returncode == 0 or time.time() > deadline or "Connection" not in r.stderr + r.stdout:
             break
         time.sleep(3)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_model_config
 
+from conftest import tiny_model_config
 from preinfer.adapters import get_adapter
 from preinfer.checkpoint import freeze_except, trainable_named_parameters, trainable_parameters
 from preinfer.confload import ConfigError

@@ -1,3 +1,0 @@
-"""Repo-level pytest plugins: shared pipeline fixtures."""
-
-pytest_plugins = ["tests.pipeline_fixtures"]
