@@ -8,7 +8,7 @@ SETARGS := $(foreach s,$(SET),--set $(s))
 CLI     := $(PY) -m preinfer.cli
 PYTEST_WORKERS ?=
 
-.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval plan report bench study clean
+.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval report clean
 
 setup: $(STAMP)
 
@@ -57,14 +57,8 @@ bcd: $(STAMP)
 eval: $(STAMP)
 	$(CLI) eval --config $(CONFIG) $(SETARGS)
 
-plan: $(STAMP)
-	$(CLI) plan --config $(CONFIG) $(SETARGS)
-
 report: $(STAMP)
 	$(CLI) report --config $(CONFIG) $(SETARGS)
-
-bench: $(STAMP)
-	$(PY) bench/run_all.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
