@@ -8,7 +8,7 @@ SETARGS := $(foreach s,$(SET),--set $(s))
 CLI     := $(PY) -m preinfer.cli
 PYTEST_WORKERS ?=
 
-.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval report clean
+.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval plan report clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,9 @@ bcd: $(STAMP)
 
 eval: $(STAMP)
 	$(CLI) eval --config $(CONFIG) $(SETARGS)
+
+plan: $(STAMP)
+	$(CLI) plan --config $(CONFIG) $(SETARGS)
 
 report: $(STAMP)
 	$(CLI) report --config $(CONFIG) $(SETARGS)

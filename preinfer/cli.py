@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p)
 
+    p = sub.add_parser("plan", help="memory, disk and cost estimate before anything runs")
+    _common(p)
+    from preinfer.plan import add_plan_arguments
+
+    add_plan_arguments(p)
+
     p = sub.add_parser("report", help="plots + markdown summary of a run -> <run.dir>/report/")
     _common(p)
 
@@ -162,6 +168,12 @@ def _cmd_bcd(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    from preinfer.plan import run_plan
+
+    return run_plan(_load(args), args)
+
+
 def _cmd_report(args) -> int:
     from pipelines.report import run_report
 
@@ -185,6 +197,7 @@ COMMANDS = {
     "train": _cmd_train,
     "bcd": _cmd_bcd,
     "report": _cmd_report,
+    "plan": _cmd_plan,
 }
 
 

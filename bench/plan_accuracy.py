@@ -1,0 +1,336 @@
+"""Planner accuracy: measured peak memory of the real trainer and pre-inference worker on CPU
+against preinfer.plan's estimate, as a markdown table.
+
+    python bench/plan_accuracy.py [--configs demo gpt2-small] [--json out.json]
+    python bench/plan_accuracy.py --calibrate      # the fixed-overhead rows of plan.RUNTIME
+
+Each arm runs in a fresh subprocess: it imports everything first, records its resident set
+(VmRSS) as the baseline, resets the high-water mark (/proc/self/clear_refs), runs the real code
+path — `Visit(...).run()` for the trainer (2 optimizer steps, so the second backward holds the
+optimizer state, + the end-of-visit eval and commit), `PrefixWorker(...)` over every shard for
+pre-inference — and reports VmHWM - baseline: the peak RSS growth over the process's baseline
+after imports (including the modules torch and transformers import lazily on first use:
+torch._dynamo, pulled in by the first optimizer step, and the HF model module). The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same
+config with target="cpu" (its runtime term is the calibrated constant, measured on a minimal
+model, never on these configs). Token stores are synthetic (random ids; sizes below), the
+checkpoints real (`preinfer init`). gpt2-small runs at batch 4 x 256 tokens and 32 MiB shards
+so an arm takes about a minute on 2 CPUs; the demo runs as configured, with its real corpus
+sizes (11773 train / 1142 val samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COMMON = ["train.workers=0", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
+          "train.checkpoint_every=0", "train.warmup_steps=0", "run.device=cpu",
+          "run.precision=fp32"]  # fmt: skip
+# config -> (YAML or None, overrides, train samples, val samples)
+SETS = {
+    "demo": ("configs/demo.yaml", [], 11773, 1142),
+    "gpt2-small": ("configs/gpt2-small.yaml",
+                   ["train.batch_size=4", "data.seq_len=256", "cache.shard_mb=32"], 96, 16),
+    "calibrate": (None, ["model.arch=sequential", "model.vocab_size=300", "model.hidden_size=16",
+                         "model.num_layers=2", "model.num_heads=1", "model.max_positions=16",
+                         "data.seq_len=16", "partition.num_blocks=2",
+                         "train.batch_size=2", "cache.shard_mb=1"], 64, 8),
+    "llama-small": ("configs/llama-small.yaml", ["train.batch_size=8", "cache.shard_mb=64"], 256, 16),
+    "llama-small-s8": ("configs/llama-small.yaml", ["train.batch_size=8", "cache.shard_mb=8"], 256, 16),
+}  # fmt: skip
+CALIBRATION = ("calibrate", "llama-small", "llama-small-s8")  # never the validated configs
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def child(args) -> None:
+    """One arm in this (fresh) process; prints a JSON line with the peak RSS growth."""
+    import torch  # noqa: F401  (imports first: they belong to the baseline)
+    import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step: ~75 MB)
+    import transformers  # noqa: F401
+
+    from pipelines.preinfer import PrefixWorker, plan_caches
+    from pipelines.train import visit_spec
+    from preinfer.config import config_from_dict
+    from preinfer.device import resolve_device
+    from preinfer.modeling import build_model
+    from preinfer.visit import Visit
+    from storage import reader  # noqa: F401
+
+    cfg = config_from_dict(json.loads(Path(args.cfg).read_text()))
+    build_model(cfg.model, device="meta")  # imports the HF model module (lazy in transformers)
+    if args.arm == "trainer":
+        spec = visit_spec(cfg, args.block, 0, args.mode)
+    else:
+        plans = plan_caches(cfg, args.block, 0, create=False)
+        first = args.block - 1 if args.refresh else 0
+        sources = {}
+        if args.refresh:
+            prev = plan_caches(cfg, args.block - 1, 0, create=False)
+            sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)}
+        from storage.cache import CacheWriter
+
+        items = [(p.fingerprint, s) for p in plans
+                 for s in CacheWriter.open(cfg.cache.root, p.fingerprint).missing_shards()]  # fmt: skip
+    gc.collect()
+    base = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    phases: dict[str, int] = {}
+    t0 = time.perf_counter()
+    if args.arm == "trainer":
+        Visit(cfg, spec, device=resolve_device("cpu")).run(log=lambda *a, **k: None)
+    else:  # per-phase peaks (the calibration separates compute from encode with them)
+        from storage.cache import CacheWriter
+
+        _phase(PrefixWorker, "__init__", "load", phases, base)
+        _phase(PrefixWorker, "_compute", "compute", phases, base)
+        _phase(CacheWriter, "write_shard", "encode", phases, base)
+        worker = PrefixWorker(cfg.to_dict(), args.block, first, sources)
+        for fp, s in items:
+            worker({"fingerprint": [fp], "shard": [s]})
+    peak = max([_status("VmHWM") - base, *phases.values()])
+    print(json.dumps({"growth": peak, "baseline": base, "phases": phases,
+                      "seconds": time.perf_counter() - t0}))  # fmt: skip
+
+
+def _phase(cls, attr: str, name: str, peaks: dict, base: int) -> None:
+    """Wrap cls.attr so the RSS high-water mark is read and reset around each call: `peaks`
+    gets the peak inside the calls (name) and between them ("other")."""
+    f = getattr(cls, attr)
+
+    def read(key):
+        peaks[key] = max(peaks.get(key, 0), _status("VmHWM") - base)
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def wrapped(*a, **k):
+        read("other")
+        try:
+            return f(*a, **k)
+        finally:
+            read(name)
+
+    setattr(cls, attr, wrapped)
+
+
+def _run_child(cfg_path: Path, *extra: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise RuntimeError(f"arm {extra} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _tokens(cfg, n_train: int, n_val: int) -> None:
+    import numpy as np
+
+    from storage.tokens import TokenStoreWriter
+
+    w = TokenStoreWriter(cfg.data.out_dir, seq_len=cfg.data.seq_len, shard_rows=4096)
+    g = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("val", n_val)):
+        rows = g.integers(0, cfg.model.vocab_size, (n, cfg.data.seq_len + 1), dtype=np.int32)
+        w.write_split(split, iter(rows))
+    w.commit({"fingerprint": f"bench-{n_train}-{n_val}", "vocab_size": cfg.model.vocab_size})
+
+
+def measure(name: str, work: Path) -> list[dict]:
+    """Set up one config under `work`, run its arms, return rows with estimate and measurement."""
+    from pipelines.init import run_init
+    from pipelines.preinfer import _finish, plan_caches
+    from preinfer import plan
+    from preinfer.checkpoint import Checkpoint
+    from preinfer.config import load_config
+
+    path, over, n_tr, n_val = SETS[name]
+    over = [*COMMON, *over, f"run.dir={work / name}"]
+    cfg = load_config(ROOT / path if path else None, over)
+    _tokens(cfg, n_tr, n_val)
+    run_init(cfg, log=lambda *a: None)
+    part = Checkpoint.open(cfg.run.checkpoint).partition
+    sh = plan.model_shape(cfg.model)
+    p = plan.setup_for(cfg, sh, target="cpu", n_train=n_tr, n_val=n_val)
+    M, rows = part.num_blocks, []
+
+    def arm(label, est, cfg_, *extra):
+        f = work / name / f"cfg-{len(rows)}.json"
+        f.write_text(cfg_.to_json())
+        got = _run_child(f, *extra)
+        rows.append({"config": name, "arm": label, "measured": got["growth"], "estimate": est["peak"],
+                     "phases": got["phases"],
+                     "phase": est["phase"], "components": est["components"], "basis": est["basis"],
+                     "seconds": got["seconds"]})  # fmt: skip
+        print(
+            f"  {name:10s} {label:28s} measured {got['growth'] / 2**20:8.1f} MiB  estimate "
+            f"{est['peak'] / 2**20:8.1f} MiB ({est['phase']})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    for k in range(1, M):  # boundary caches, built from tokens (the trainer arms read them)
+        plans = plan_caches(cfg, k, 0)
+        arm(
+            f"pre-inference build -> {k}",
+            plan.preinfer_memory(sh, part, k, p),
+            cfg,
+            "--arm",
+            "preinfer",
+            "--block",
+            str(k),
+        )
+        _finish(cfg, plans)
+    if M > 2 and name not in CALIBRATION:  # refresh of the last boundary, into a second root
+        import copy
+        import shutil
+
+        alt = copy.deepcopy(cfg)
+        alt.cache.root = str(work / name / "cache-refresh")
+        for q in plan_caches(cfg, M - 2, 0, create=False):  # the finished source boundary
+            shutil.copytree(
+                Path(cfg.cache.root) / q.fingerprint, Path(alt.cache.root) / q.fingerprint
+            )
+        plan_caches(alt, M - 1, 0)
+        arm(f"pre-inference refresh -> {M - 1}", plan.preinfer_memory(sh, part, M - 1, p, refresh=True),
+            alt, "--arm", "preinfer", "--block", str(M - 1), "--refresh")  # fmt: skip
+    for k in range(M - 1, -1, -1):  # descending: a commit of block k leaves boundaries <= k valid
+        arm(
+            f"trainer bcd block {k}",
+            plan.trainer_memory(sh, part, "bcd", k, p),
+            cfg,
+            "--arm",
+            "trainer",
+            "--mode",
+            "bcd",
+            "--block",
+            str(k),
+        )
+    arm(
+        "trainer full",
+        plan.trainer_memory(sh, part, "full", 0, p),
+        cfg,
+        "--arm",
+        "trainer",
+        "--mode",
+        "full",
+        "--block",
+        "0",
+    )
+    return rows
+
+
+def _line(xs, ys) -> tuple[float, float]:
+    """Least-squares (intercept, slope); through the origin when all xs are equal."""
+    import numpy as np
+
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    if np.ptp(xs) == 0:
+        return 0.0, float(ys.sum() / xs.sum())
+    slope, icpt = np.polyfit(xs, ys, 1)
+    return float(icpt), float(slope)
+
+
+def suggest(rows: list[dict]) -> str:
+    """The constants of preinfer.plan these measurements imply (paste them in by hand):
+    RUNTIME from the minimal model; then, on llama-small at two shard sizes, CPU_ALLOC from the
+    token-fed trainer arms, HOST_IO cache_read from the cache-fed ones, and CPU_INFER and
+    HOST_IO cache_write from the compute and encode phases of the pre-inference builds."""
+    from statistics import mean
+
+    from preinfer.plan import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
+
+    def path(r):
+        if "pre-inference" in r["arm"]:
+            return "preinfer"
+        return "trainer-cache" if r["basis"].get("cache_buffer") else "trainer"
+
+    out, run = [], {}
+    for r in rows:
+        if r["config"] == "calibrate":
+            rest = r["estimate"] - r["components"]["runtime"]
+            run[path(r)] = max(run.get(path(r), 0), r["measured"] - rest)
+    out += [f"RUNTIME cpu {k}: {v / MiB:.0f} MiB (now {RUNTIME[('cpu', k)] / MiB:.0f})"
+            for k, v in sorted(run.items())]  # fmt: skip
+    cal = [r for r in rows if r["config"] != "calibrate"]
+    b = lambda r: r["basis"]  # noqa: E731
+    tok = [r for r in cal if path(r) == "trainer"]
+    alloc = mean((r["measured"] - run["trainer"] - b(r)["static"]
+                  - host_io("token_read", b(r)["token_shard"])) / b(r)["act"] for r in tok)  # fmt: skip
+    out.append(f"CPU_ALLOC: {alloc:.2f} (now {CPU_ALLOC})")
+    cache = [r for r in cal if path(r) == "trainer-cache"]
+    read = _line([b(r)["cache_buffer"] for r in cache],
+                 [r["measured"] - run["trainer-cache"] - b(r)["static"] - alloc * b(r)["act"]
+                  - b(r)["grads"] for r in cache])  # fmt: skip
+    out.append(
+        f"HOST_IO cache_read: ({read[0] / MiB:.0f} * MiB, {read[1]:.2f}) (now {HOST_IO['cache_read']})"
+    )
+    pre = [r for r in cal if "build" in r["arm"]]
+    infer = mean((r["phases"]["compute"] - run["preinfer"] - b(r)["weights"] - 2 * b(r)["shard"])
+                 / b(r)["work"] for r in pre)  # fmt: skip
+    out.append(f"CPU_INFER: {infer:.2f} (now {CPU_INFER})")
+    write = _line([b(r)["shard"] for r in pre],
+                  [r["phases"]["encode"] - run["preinfer"] - b(r)["weights"] - b(r)["shard"]
+                   for r in pre])  # fmt: skip
+    out.append(
+        f"HOST_IO cache_write: ({write[0] / MiB:.0f} * MiB, {write[1]:.2f}) (now {HOST_IO['cache_write']})"
+    )
+    return "\n".join(out)
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| config | arm | measured MiB | estimate MiB | error | peak phase (estimate) |",
+           "|---|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        err = (r["estimate"] - r["measured"]) / r["measured"]
+        out.append(f"| {r['config']} | {r['arm']} | {r['measured'] / 2**20:.1f} | "
+                   f"{r['estimate'] / 2**20:.1f} | {err:+.1%} | {r['phase']} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=["demo", "gpt2-small"],
+                    choices=sorted(set(SETS) - set(CALIBRATION)))  # fmt: skip
+    ap.add_argument("--calibrate", action="store_true", help="measure the runtime constants")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cfg", help=argparse.SUPPRESS)
+    ap.add_argument("--arm", choices=["trainer", "preinfer"], help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="bcd", help=argparse.SUPPRESS)
+    ap.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--refresh", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    names = list(CALIBRATION) if args.calibrate else args.configs
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
+        for name in names:
+            rows += measure(name, Path(tmp))
+    if args.calibrate:
+        print(suggest(rows))
+    print(table(rows))
+    print(
+        f"\n(peak RSS growth over the post-import baseline, CPU, torch "
+        f"{__import__('torch').__version__}, {os.cpu_count()} CPUs)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Resource guards run before a stage starts: cache bytes vs free disk, trainer memory vs device.
+
+    check_disk_for_cache(cfg, block)   # `cache build/refresh --block K`: raises DiskSpaceError
+    check_disk_for_cache(cfg)          # `bcd`: the rotation's peak (two boundaries, or M-1 kept)
+    warn_trainer_memory(cfg)           # `bcd`/`train`: a warning when the estimate exceeds the device
+
+Sizes are estimates (preinfer.plan's arithmetic): the cache's uncompressed upper bound
+(storage.cache.estimate_cache_bytes) divided by the codec's compression ratio as measured on a
+complete cache of the same dtype/codec under cache.root, when there is one. `free_bytes` and
+`device_bytes` are injectable for tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from storage.cache import CacheError
+
+
+class DiskSpaceError(CacheError):
+    """The activation caches a stage would write do not fit the free disk."""
+
+
+def measured_ratio(cfg) -> tuple[float, str] | None:
+    """(median compression ratio, fingerprint of one cache it came from) over the complete caches
+    under cache.root with this config's dtype, codec, shuffle and level; None if there are none."""
+    import json
+
+    root, want = Path(cfg.cache.root), cfg.cache
+    found = []
+    for m in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
+        try:
+            man = json.loads(m.read_text())
+            codec = man["codec"]
+            if man["dtype"] == want.dtype and codec == {
+                "codec": want.codec,
+                "shuffle": want.shuffle,
+                "level": want.level,
+            }:
+                found.append((float(man["compression_ratio"]), man["fingerprint"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a cache of another layout or a damaged manifest: not a measurement
+    if not found:
+        return None
+    med = statistics.median(r for r, _ in found)
+    return med, min(found, key=lambda x: abs(x[0] - med))[1]
+
+
+def cache_bytes(cfg, *, hidden: int, seq: int, n_train: int, n_val: int) -> dict:
+    """Estimated bytes of one boundary's caches (train sample + val): the upper bound and the
+    expected size (values / measured codec ratio), per split and in total."""
+    from storage.cache import estimate_cache_bytes
+    from storage.codecs import stored_dtype
+
+    ratio = measured_ratio(cfg)
+    n = {"train": max(1, round(n_train * cfg.preinfer.sample_fraction)), "val": n_val}
+    out = {"samples": sum(n.values()), "upper_bound": 0, "expected": 0,
+           "ratio": ratio and ratio[0], "ratio_source": ratio and ratio[1]}  # fmt: skip
+    for split, k in n.items():
+        bound = estimate_cache_bytes(k, seq, hidden, cfg.cache.dtype) if k else 0
+        values = k * seq * hidden * stored_dtype(cfg.cache.dtype).itemsize
+        out[split] = int(bound if ratio is None else bound - values + values / ratio[0])
+        out["upper_bound"] += bound
+        out["expected"] += out[split]
+    return out
+
+
+def _dims(cfg) -> tuple[int, int, int, int, int] | None:
+    """(hidden, seq, n_train, n_val, M) from the checkpoint and token store; None if absent."""
+    from preinfer.checkpoint import Checkpoint, CheckpointError
+    from storage.tokens import TokenStore
+
+    if not TokenStore.exists(cfg.data.out_dir):
+        return None  # the stage itself reports the missing token store
+    store = TokenStore(cfg.data.out_dir)
+    try:
+        ckpt = Checkpoint.open(cfg.run.checkpoint)
+        hidden, M = ckpt.hidden_size, ckpt.num_blocks
+    except CheckpointError:
+        from preinfer.plan import model_shape
+
+        hidden, M = model_shape(cfg.model).hidden, cfg.partition.num_blocks
+    return hidden, store.seq_len, store.num_samples("train"), store.num_samples("val"), M
+
+
+def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = None, plans=None,
+                         free_bytes: int | None = None) -> dict | None:  # fmt: skip
+    """Raise DiskSpaceError when the caches about to be written exceed the free disk at
+    cache.root. block=K: the boundary-K caches (only their missing shards when `plans`, the
+    pipelines.preinfer.CachePlan list, is given); block=None: the bcd rotation's peak, two
+    boundaries at once (the refresh source and its target), or all M-1 with cache.keep; mode
+    (default train.mode) other than bcd writes no caches. Conservative on a resumed rotation:
+    caches already on disk are not credited. Returns the figures, or None when there is nothing
+    to check (no token store yet: the stage itself reports that)."""
+    from storage.atomic import human
+    from storage.cache import free_disk_bytes
+
+    dims = _dims(cfg)
+    if dims is None:
+        return None
+    hidden, seq, n_tr, n_val, M = dims
+    per = cache_bytes(cfg, hidden=hidden, seq=seq, n_train=n_tr, n_val=n_val)
+    if block is None:
+        if (mode or cfg.train.mode) != "bcd" or M < 2:
+            return None
+        count = M - 1 if cfg.cache.keep else min(2, M - 1)
+        need, what = count * per["expected"], f"the bcd rotation ({count} boundaries at once)"
+    elif plans is not None:  # only what is still to write
+        need = sum(int(per[p.split] * len(p.missing) / max(1, len(p.missing) + _done(cfg, p)))
+                   for p in plans if not p.complete)  # fmt: skip
+        what = f"the missing shards of boundary {block}"
+    else:
+        need, what = per["expected"], f"boundary {block} (train + val)"
+    free = free_disk_bytes(cfg.cache.root) if free_bytes is None else int(free_bytes)
+    basis = (
+        f"codec ratio {per['ratio']:.2f} measured on cache {per['ratio_source'][:12]}"
+        if per["ratio"]
+        else "uncompressed upper bound: no cache of this codec measured yet"
+    )
+    out = {"need": need, "free": free, "per_boundary": per, "what": what}
+    if need > free:
+        raise DiskSpaceError(
+            f"{what} needs about {human(need)} ({per['samples']} samples x S={seq} x H={hidden} "
+            f"{cfg.cache.dtype}, {basis}) but only {human(free)} is free at {cfg.cache.root}; free "
+            "disk, point cache.root at a larger disk, lower preinfer.sample_fraction, or store "
+            "cache.dtype=int8 / fp8_e4m3 (see `preinfer plan`)"
+        )
+    return out
+
+
+def _done(cfg, plan) -> int:
+    """Shards of a CachePlan already committed (done markers on disk)."""
+    d = Path(cfg.cache.root) / plan.fingerprint / "done"
+    return len(list(d.glob("*.json"))) if d.is_dir() else 0
+
+
+def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = None,
+                        device_bytes: int | None = None, log=None) -> dict | None:  # fmt: skip
+    """Warn (never raise) when the estimated trainer peak exceeds the device's memory: the
+    worst block of the rotation (or `block`) for mode bcd, the whole model for full. Returns the
+    worst estimate, or None when it cannot be made (e.g. no token store yet)."""
+    import warnings
+
+    from preinfer.device import resolve_device
+    from preinfer.partition import partition_layers
+    from preinfer.plan import GiB, model_shape, setup_for, trainer_memory
+
+    mode = mode or cfg.train.mode
+    device = resolve_device(cfg.run.device)
+    dims = _dims(cfg)
+    n_tr, n_val = (dims[2], dims[3]) if dims else (None, None)
+    sh = model_shape(cfg.model)
+    part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
+    cards = max(1, cfg.train.workers)
+    p = setup_for(cfg, sh, target="gpu" if device.type == "cuda" else "cpu", cards=cards,
+                  seq=dims[1] if dims else None, n_train=n_tr, n_val=n_val)  # fmt: skip
+    if mode == "full":
+        rows = [trainer_memory(sh, part, "full", 0, p)]
+    else:
+        blocks = range(part.num_blocks) if block is None else [block]
+        rows = [trainer_memory(sh, part, mode, k, p) for k in blocks]
+    worst = max(rows, key=lambda r: r["peak"])
+    if device_bytes is None:
+        if device.type == "cuda":
+            import torch
+
+            device_bytes = torch.cuda.get_device_properties(device).total_memory
+        else:
+            import psutil
+
+            device_bytes = psutil.virtual_memory().total
+    worst = {**worst, "device_bytes": int(device_bytes)}
+    if worst["peak"] > device_bytes:
+        msg = (f"estimated trainer peak {worst['peak'] / GiB:.1f} GiB ({worst['stage']}, "
+               f"{worst['phase']} phase) exceeds the {device.type} device's "
+               f"{device_bytes / GiB:.1f} GiB: expect out-of-memory; raise partition.num_blocks "
+               "or lower train.batch_size / data.seq_len (`preinfer plan` shows the breakdown)")  # fmt: skip
+        (log or (lambda m: warnings.warn(m, ResourceWarning, stacklevel=3)))(msg)
+    return worst

@@ -1,0 +1,245 @@
+"""The planner (preinfer/plan.py) and the resource guards (preinfer/guards.py).
+
+Fast tests: the saved-activation counts against autograd itself, the paper's fit findings on
+its model shapes (meta device, arithmetic only), the guards with injected disk/device figures,
+the CLI glue. The measured-vs-estimated peak memory check is bench/plan_accuracy.py; the slow
+test at the end runs it for the demo config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from preinfer import plan
+from preinfer.config import load_config
+from preinfer.confload import ConfigError
+from preinfer.guards import DiskSpaceError, check_disk_for_cache, warn_trainer_memory
+from preinfer.partition import partition_layers
+from tests.conftest import tiny_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _saved_bytes(model, fn) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves while `fn` runs."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", "sequential"])
+@pytest.mark.parametrize("trainable", [True, False])
+def test_layer_activation_count_matches_autograd(arch, trainable):
+    from preinfer.adapters import get_adapter
+    from preinfer.modeling import build_model
+
+    cfg = tiny_model_config(arch, hidden_size=64)  # llama: 2 kv heads for 4 query heads (GQA)
+    model = build_model(cfg)
+    ad = get_adapter(model, arch)
+    for p in model.parameters():
+        p.requires_grad_(trainable)
+    B, S = 2, 16
+    h = torch.randn(B, S, cfg.hidden_size, requires_grad=True)
+    ctx = ad.context(h)
+    got = _saved_bytes(model, lambda: ad.layer(0, h, ctx))
+    want = plan.layer_act(plan.model_shape(cfg), trainable) * B * S * 4
+    assert got == pytest.approx(want, rel=0.06), (got, want)
+
+
+def _plan(name: str, tmp_path, card: str, **opts):
+    cfg = load_config(ROOT / "configs" / name, [f"run.dir={tmp_path}"])
+    return plan.build_plan(cfg, plan.PlanOptions(card=card, free_disk=1000.0, **opts))
+
+
+@pytest.mark.parametrize("name", ["plan-g7b.yaml", "plan-l7b.yaml"])
+def test_paper_7b_full_adam_does_not_fit_80gb_bcd_m3_does(name, tmp_path):
+    p = _plan(name, tmp_path, "a800-80")
+    assert p["setup"]["optimizer"] == "adam" and p["setup"]["precision"] == "fp32"
+    assert not p["full_fits"]
+    assert p["partition"]["M"] == 3 and p["bcd_fits"]
+    assert p["smallest_m"]["M"] <= 3
+    assert p["model"]["params"] > 6.5e9
+
+
+@pytest.mark.parametrize("name", ["plan-g2b.yaml", "plan-l2b.yaml"])
+def test_paper_2b_full_does_not_fit_24gb_bcd_m3_does(name, tmp_path):
+    p = _plan(name, tmp_path, "rtx4090")
+    assert not p["full_fits"] and p["bcd_fits"]
+    assert 1.9e9 < p["model"]["params"] < 2.2e9
+
+
+def test_plan_configs_load_and_say_plan_only():
+    files = sorted((ROOT / "configs").glob("plan-*.yaml"))
+    assert len(files) >= 3
+    for f in files:
+        assert f.read_text().startswith("# PLAN-ONLY"), f
+        load_config(f)
+
+
+def test_breakdown_follows_what_each_stage_loads(tmp_path):
+    cfg = load_config(ROOT / "configs" / "plan-g7b.yaml", [f"run.dir={tmp_path}"])
+    sh = plan.model_shape(cfg.model)
+    part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
+    p = plan.setup_for(cfg, sh, target="gpu")
+    full = plan.trainer_memory(sh, part, "full", 0, p)
+    rows = [plan.trainer_memory(sh, part, "bcd", k, p) for k in range(3)]
+    assert full["active_params"] == sh.params
+    assert rows[0]["loaded_params"] == sh.params  # block 0 runs through every block
+    assert rows[2]["loaded_params"] == part.block_params[2] + sh.head_matrix  # + the tied head
+    assert all(r["peak"] < full["peak"] for r in rows)
+    assert [r["active_params"] for r in rows] == part.block_params
+    adam, sgd = (plan.setup_for(cfg, sh, target="gpu", optimizer=o) for o in ("adam", "sgd"))
+    static = [plan.trainer_memory(sh, part, "bcd", 1, q)["basis"]["static"] for q in (adam, sgd)]
+    assert static[0] - static[1] == 4 * part.block_params[1]  # two fp32 moments vs momentum
+    big = plan.setup_for(cfg, sh, target="gpu", batch=4)
+    lean = plan.setup_for(cfg, sh, target="gpu", batch=4, act_recompute=True)
+    peak = lambda q: plan.trainer_memory(sh, part, "bcd", 0, q)["peak"]  # noqa: E731
+    assert peak(p) < peak(big) and peak(lean) < peak(big)
+
+
+def test_cost_keeps_same_device_and_card_change_apart(tmp_path):
+    p = _plan("plan-g7b.yaml", tmp_path, "a800-80", compare_card="rtx4090", steps=1000,
+              samples=100_000)  # fmt: skip
+    c = p["cost"]
+    assert c["full"]["sharded"] and c["full"]["cards"] >= 2 and c["full"]["time_source"] == "flops"
+    avg, worst = c["bcd_average"], c["bcd_worst"]
+    assert avg["same_device_factor"] == pytest.approx(avg["cost"] / c["full"]["cost"])
+    train = worst["hours"] - worst["preinfer_hours"], avg["hours"] - avg["preinfer_hours"]
+    assert train[0] / train[1] == pytest.approx(2.89 / 1.39)
+    there = c["compare"]["full"]["cost"]
+    assert c["compare"]["card_change_factor"] == pytest.approx(c["full"]["cost"] / there)
+
+
+def _tokens(cfg, n_train: int, n_val: int) -> None:
+    from storage.tokens import TokenStoreWriter
+
+    w = TokenStoreWriter(cfg.data.out_dir, seq_len=cfg.data.seq_len, shard_rows=64)
+    g = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("val", n_val)):
+        w.write_split(split, iter(g.integers(0, 200, (n, cfg.data.seq_len + 1), dtype=np.int32)))
+    w.commit({"fingerprint": "test", "vocab_size": 300})
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    over = [f"run.dir={tmp_path}", "model.vocab_size=300", "model.hidden_size=32",
+            "model.num_layers=4", "model.num_heads=4", "model.max_positions=32",
+            "data.seq_len=16", "partition.num_blocks=3", "train.batch_size=4"]  # fmt: skip
+    cfg = load_config(None, over)
+    _tokens(cfg, 200, 20)
+    return cfg
+
+
+def test_disk_guard_refuses_when_the_cache_exceeds_free_disk(tiny_run):
+    cfg = tiny_run
+    with pytest.raises(DiskSpaceError, match="free at"):
+        check_disk_for_cache(cfg, 1, free_bytes=1000)
+    ok = check_disk_for_cache(cfg, 1, free_bytes=10**12)
+    per = ok["per_boundary"]
+    assert per["samples"] == 220 and ok["need"] == per["expected"] > 220 * 16 * 32 * 2
+    rot = check_disk_for_cache(cfg, free_bytes=10**12)  # the rotation: source + target
+    assert rot["need"] == 2 * per["expected"]
+    assert check_disk_for_cache(cfg, mode="full", free_bytes=1) is None  # full writes no cache
+    with pytest.raises(DiskSpaceError):
+        check_disk_for_cache(cfg, free_bytes=rot["need"] - 1)
+    plans = [SimpleNamespace(split="train", fingerprint="a", complete=False, missing=[]),
+             SimpleNamespace(split="val", fingerprint="b", complete=True, missing=[])]  # fmt: skip
+    assert check_disk_for_cache(cfg, 1, plans=plans, free_bytes=1)["need"] == 0  # nothing to write
+
+
+def test_disk_estimate_uses_a_measured_codec_ratio(tiny_run):
+    cfg = tiny_run
+    before = check_disk_for_cache(cfg, 1, free_bytes=10**12)["per_boundary"]
+    man = {"dtype": cfg.cache.dtype, "compression_ratio": 2.0, "fingerprint": "f" * 32,
+           "codec": {"codec": cfg.cache.codec, "shuffle": cfg.cache.shuffle,
+                     "level": cfg.cache.level}}  # fmt: skip
+    d = Path(cfg.cache.root) / ("f" * 32)
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text(json.dumps(man))
+    after = check_disk_for_cache(cfg, 1, free_bytes=10**12)["per_boundary"]
+    assert after["ratio"] == 2.0 and before["ratio"] is None
+    values = 220 * 16 * 32 * 2
+    assert before["expected"] - after["expected"] == pytest.approx(values / 2, abs=2)
+
+
+def test_memory_warning_only_when_the_estimate_exceeds_the_device(tiny_run):
+    with pytest.warns(ResourceWarning, match="exceeds"):
+        worst = warn_trainer_memory(tiny_run, device_bytes=1)
+    assert worst["stage"].startswith("bcd block")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_trainer_memory(tiny_run, mode="full", device_bytes=2**50)["stage"] == "full"
+    said = []
+    warn_trainer_memory(tiny_run, device_bytes=1, log=said.append)
+    assert said and "partition.num_blocks" in said[0]
+
+
+def _args(*argv):
+    ap = argparse.ArgumentParser()
+    plan.add_plan_arguments(ap)
+    return ap.parse_args(list(argv))
+
+
+def test_cli_prints_a_report_and_json(tiny_run, capsys):
+    assert plan.run_plan(tiny_run, _args("--card", "rtx4090", "--price", "0.5")) == 0
+    text = capsys.readouterr().out
+    for want in ("bcd block 2", "pre-inference build -> boundary 1", "smallest M", "cache",
+                 "same-device factor", "full-parameter training fits one card: yes"):  # fmt: skip
+        assert want in text, want
+    assert plan.run_plan(tiny_run, _args("--json", "--card", "cpu", "--blocks", "2")) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["partition"]["M"] == 2 and data["setup"]["target"] == "cpu"
+    assert data["samples"]["train"] == 200 and data["cache"]["fits"] in (True, False)
+
+
+def test_bad_options_are_config_errors(tiny_run):
+    with pytest.raises(ConfigError, match="card"):
+        plan.build_plan(tiny_run, plan.PlanOptions(card="tpu"))
+    with pytest.raises(ConfigError, match="out of range"):
+        plan.build_plan(tiny_run, plan.PlanOptions(blocks=9))
+    with pytest.raises(ConfigError, match="optimizer"):
+        plan.build_plan(tiny_run, plan.PlanOptions(optimizer="lion"))
+
+
+@pytest.mark.slow
+def test_estimate_within_15_percent_of_measured_peak_on_demo(tmp_path):
+    """The real trainer and pre-inference worker on CPU (bench/plan_accuracy.py, demo config)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--configs", "demo",
+                    "--json", str(out)], check=True, cwd=ROOT)  # fmt: skip
+    for r in json.loads(out.read_text()):
+        assert abs(r["estimate"] - r["measured"]) <= 0.15 * r["measured"], r["arm"]
+
+
+def test_step_times_come_from_metrics_when_the_run_has_them(tiny_run):
+    visits = [{"event": "visit", "mode": "full", "block": 0, "tokens_per_s": 1000.0}]
+    visits += [{"event": "visit", "mode": "bcd", "block": k, "tokens_per_s": 2000.0}
+               for k in range(3)]  # fmt: skip
+    Path(tiny_run.run.dir, "metrics.jsonl").write_text("\n".join(map(json.dumps, visits)))
+    opts = dict(card="rtx4090", steps=100, free_disk=1.0)
+    c = plan.build_plan(tiny_run, plan.PlanOptions(**opts))["cost"]
+    tok = 4 * 16  # global batch x S
+    assert c["full"]["time_source"] == "measured" and c["full"]["step_s"] == tok / 1000.0
+    assert c["bcd_average"]["time_source"] == ["measured"]
+    c = plan.build_plan(tiny_run, plan.PlanOptions(flops_only=True, **opts))["cost"]
+    assert c["full"]["time_source"] == "flops" and c["bcd_average"]["time_source"] == ["flops"]
