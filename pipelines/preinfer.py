@@ -293,6 +293,7 @@ def build_cache(
 
     verify: also check a complete cache's shards and rewrite any that fail (repair).
     """
+    _guard_disk(cfg, block, round_)
     plans = plan_caches(cfg, block, round_, verify=verify)
     todo = sum(len(p.missing) for p in plans)
     if all(p.complete for p in plans):
@@ -322,6 +323,7 @@ def refresh_cache(cfg: Config, block: int, round_: int = 0, *, log=print) -> dic
             f"(missing {', '.join(f'{p.split} {p.fingerprint}' for p in stale)}); "
             f"run `preinfer cache build --block {block - 1}` or `cache build --block {block}`"
         )
+    _guard_disk(cfg, block, round_)
     plans = plan_caches(cfg, block, round_)
     if all(p.complete for p in plans):
         log(f"cache refresh: boundary {block} is current ({_fps(plans)}); nothing to do")
@@ -333,6 +335,14 @@ def refresh_cache(cfg: Config, block: int, round_: int = 0, *, log=print) -> dic
     _finish(cfg, plans)
     _log_done(log, "refresh", block, plans, stats, todo, store.seq_len)
     return {"action": "refreshed", **_result(plans), **stats}
+
+
+def _guard_disk(cfg: Config, block: int, round_: int) -> None:
+    """Refuse before anything is written when the boundary's caches cannot fit the free disk."""
+    from preinfer.guards import check_disk_for_cache
+
+    if not all(p.complete for p in plan_caches(cfg, block, round_, create=False)):
+        check_disk_for_cache(cfg, block)
 
 
 def _fps(plans: list[CachePlan]) -> str:

@@ -117,6 +117,13 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
     write_json(Path(cfg.run.dir) / "config.json", cfg.to_dict())  # the resolved config of this run
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     M = ckpt.num_blocks
+    from preinfer.guards import check_disk_for_cache, warn_trainer_memory
+
+    check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
+    try:
+        warn_trainer_memory(cfg, mode=mode, log=log)
+    except Exception as e:  # an estimate must never stop a run
+        log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
     if mode == "full":
         plan = [(0, 0)]
     else:

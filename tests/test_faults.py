@@ -123,3 +123,16 @@ def test_replaced_checkpoint_block_never_reads_the_old_cache(tiny_run):
         run_train(cfg, 2, log=quiet)
     new = build_cache(cfg, 2, log=quiet)
     assert new["action"] == "built" and new["fingerprints"] != old
+
+
+def test_cache_build_refuses_before_writing_when_disk_is_too_small(tiny_run, monkeypatch):
+    import storage.cache
+    from preinfer.guards import DiskSpaceError
+
+    cfg = tiny_run()
+    monkeypatch.setattr(storage.cache, "free_disk_bytes", lambda path: 1000)
+    with pytest.raises(DiskSpaceError, match="only 1000"):
+        build_cache(cfg, 1, log=quiet)
+    with pytest.raises(DiskSpaceError):
+        run_bcd(cfg, log=quiet)
+    assert not Path(cfg.cache.root).exists() or not any(Path(cfg.cache.root).iterdir())
