@@ -2,20 +2,24 @@
 against preinfer.plan's estimate, as a markdown table.
 
     python bench/plan_accuracy.py [--configs demo gpt2-small] [--json out.json]
-    python bench/plan_accuracy.py --calibrate      # the fixed-overhead rows of plan.RUNTIME
+    python bench/plan_accuracy.py --calibrate   # prints the CPU constants of preinfer.plan
 
-Each arm runs in a fresh subprocess: it imports everything first, records its resident set
-(VmRSS) as the baseline, resets the high-water mark (/proc/self/clear_refs), runs the real code
-path — `Visit(...).run()` for the trainer (2 optimizer steps, so the second backward holds the
-optimizer state, + the end-of-visit eval and commit), `PrefixWorker(...)` over every shard for
-pre-inference — and reports VmHWM - baseline: the peak RSS growth over the process's baseline
-after imports (including the modules torch and transformers import lazily on first use:
-torch._dynamo, pulled in by the first optimizer step, and the HF model module). The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same
-config with target="cpu" (its runtime term is the calibrated constant, measured on a minimal
-model, never on these configs). Token stores are synthetic (random ids; sizes below), the
-checkpoints real (`preinfer init`). gpt2-small runs at batch 4 x 256 tokens and 32 MiB shards
-so an arm takes about a minute on 2 CPUs; the demo runs as configured, with its real corpus
-sizes (11773 train / 1142 val samples).
+Each arm runs in a fresh subprocess: it imports everything first (including what torch and
+transformers import lazily on first use: torch._dynamo, pulled in by the first optimizer step,
+and the HF model module), records its resident set (VmRSS) as the baseline, resets the
+high-water mark (/proc/self/clear_refs), runs the real code path — `Visit(...).run()` for the
+trainer (2 optimizer steps, so the second backward holds the optimizer state, then the
+end-of-visit eval and commit), `PrefixWorker(...)` over every shard for pre-inference — and
+reports VmHWM - baseline: the peak RSS growth over the process's baseline after imports.
+
+The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same config with
+target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) come from
+--calibrate, which runs a minimal model and configs/llama-small.yaml at two shard sizes, never
+the validated configs. Token stores are synthetic (random ids; sizes in SETS), checkpoints real
+(`preinfer init`), caches real (written by the pre-inference arms). gpt2-small runs at batch
+4 x 256 tokens with 32 MiB shards so an arm takes about a minute on 2 CPUs; the demo runs as
+configured with its real corpus sizes (11773 train / 1142 val samples). Peak RSS on a shared
+machine varies run to run (glibc arenas, codec threads): about +-10% per arm here.
 """
 
 from __future__ import annotations
@@ -234,14 +238,16 @@ def measure(name: str, work: Path) -> list[dict]:
 
 
 def _line(xs, ys) -> tuple[float, float]:
-    """Least-squares (intercept, slope); through the origin when all xs are equal."""
+    """Least-squares (intercept, slope); through the origin when the xs are all equal or the
+    fitted intercept is negative (no evidence of a fixed part)."""
     import numpy as np
 
     xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-    if np.ptp(xs) == 0:
-        return 0.0, float(ys.sum() / xs.sum())
-    slope, icpt = np.polyfit(xs, ys, 1)
-    return float(icpt), float(slope)
+    if np.ptp(xs) > 0:
+        slope, icpt = np.polyfit(xs, ys, 1)
+        if icpt >= 0:
+            return float(icpt), float(slope)
+    return 0.0, float(ys.sum() / xs.sum())
 
 
 def suggest(rows: list[dict]) -> str:

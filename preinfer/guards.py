@@ -12,6 +12,7 @@ complete cache of the same dtype/codec under cache.root, when there is one. `fre
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def cache_bytes(cfg, *, hidden: int, seq: int, n_train: int, n_val: int) -> dict
 
     ratio = measured_ratio(cfg)
     n = {"train": max(1, round(n_train * cfg.preinfer.sample_fraction)), "val": n_val}
-    out = {"samples": sum(n.values()), "upper_bound": 0, "expected": 0,
+    out = {"samples": sum(n.values()), "n": n, "upper_bound": 0, "expected": 0,
            "ratio": ratio and ratio[0], "ratio_source": ratio and ratio[1]}  # fmt: skip
     for split, k in n.items():
         bound = estimate_cache_bytes(k, seq, hidden, cfg.cache.dtype) if k else 0
@@ -87,9 +88,10 @@ def _dims(cfg) -> tuple[int, int, int, int, int] | None:
 def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = None, plans=None,
                          free_bytes: int | None = None) -> dict | None:  # fmt: skip
     """Raise DiskSpaceError when the caches about to be written exceed the free disk at
-    cache.root. block=K: the boundary-K caches (only their missing shards when `plans`, the
-    pipelines.preinfer.CachePlan list, is given); block=None: the bcd rotation's peak, two
-    boundaries at once (the refresh source and its target), or all M-1 with cache.keep; mode
+    cache.root. block=K: the boundary-K caches; given `plans` (that boundary's CachePlan list
+    from pipelines.preinfer, create=False is enough) complete caches and committed shards are
+    credited, so a resumed build needs only the rest. block=None: the bcd rotation's peak, two
+    boundaries at once (the refresh source and its target), or all M-1 with cache.keep; a mode
     (default train.mode) other than bcd writes no caches. Conservative on a resumed rotation:
     caches already on disk are not credited. Returns the figures, or None when there is nothing
     to check (no token store yet: the stage itself reports that)."""
@@ -106,10 +108,16 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
             return None
         count = M - 1 if cfg.cache.keep else min(2, M - 1)
         need, what = count * per["expected"], f"the bcd rotation ({count} boundaries at once)"
-    elif plans is not None:  # only what is still to write
-        need = sum(int(per[p.split] * len(p.missing) / max(1, len(p.missing) + _done(cfg, p)))
-                   for p in plans if not p.complete)  # fmt: skip
-        what = f"the missing shards of boundary {block}"
+    elif plans is not None:  # what is still to write: committed shards (done markers) count
+        from storage.cache import rows_per_shard
+
+        rps = rows_per_shard(seq, hidden, cfg.cache.dtype, cfg.cache.shard_mb)
+        need = 0
+        for p in plans:
+            total = math.ceil(per["n"][p.split] / max(1, min(rps, per["n"][p.split])))
+            if not p.complete and total:
+                need += int(per[p.split] * max(0, total - _done(cfg, p)) / total)
+        what = f"the unwritten shards of boundary {block}"
     else:
         need, what = per["expected"], f"boundary {block} (train + val)"
     free = free_disk_bytes(cfg.cache.root) if free_bytes is None else int(free_bytes)
@@ -136,12 +144,13 @@ def _done(cfg, plan) -> int:
 
 
 def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = None,
-                        device_bytes: int | None = None, log=None) -> dict | None:  # fmt: skip
-    """Warn (never raise) when the estimated trainer peak exceeds the device's memory: the
-    worst block of the rotation (or `block`) for mode bcd, the whole model for full. Returns the
-    worst estimate, or None when it cannot be made (e.g. no token store yet)."""
+                        device_bytes: int | None = None, log=None) -> dict:  # fmt: skip
+    """Warn (never refuse) when the estimated trainer peak exceeds the device's memory: the
+    worst block of the rotation (or `block`) for the bcd modes, the whole model for full.
+    Returns that worst estimate (preinfer.plan.trainer_memory's dict + device_bytes)."""
     import warnings
 
+    from preinfer.checkpoint import Checkpoint, CheckpointError
     from preinfer.device import resolve_device
     from preinfer.partition import partition_layers
     from preinfer.plan import GiB, model_shape, setup_for, trainer_memory
@@ -151,7 +160,10 @@ def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = Non
     dims = _dims(cfg)
     n_tr, n_val = (dims[2], dims[3]) if dims else (None, None)
     sh = model_shape(cfg.model)
-    part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
+    try:  # the checkpoint's own partition when there is one
+        part = Checkpoint.open(cfg.run.checkpoint).partition
+    except CheckpointError:
+        part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
     cards = max(1, cfg.train.workers)
     p = setup_for(cfg, sh, target="gpu" if device.type == "cuda" else "cpu", cards=cards,
                   seq=dims[1] if dims else None, n_train=n_tr, n_val=n_val)  # fmt: skip

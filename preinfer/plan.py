@@ -69,12 +69,12 @@ RUNTIME = {
     ("gpu", "trainer-cache"): 768 * MiB,
     ("gpu", "preinfer"): 768 * MiB,
 }
-CPU_ALLOC = 1.31
-CPU_INFER = 1.34
+CPU_ALLOC = 1.28
+CPU_INFER = 1.49
 HOST_IO = {
     "token_read": (0, 6.5),  # one token-store shard (data.shard_rows x (S+1) int32), Parquet
-    "cache_read": (0, 1.69),  # the reader's fp32 buffer (rows x S x H x 4): decode, shuffle
-    "cache_write": (0, 2.46),  # one cache shard (stored dtype): encode, checksum, compress
+    "cache_read": (0, 1.79),  # the reader's fp32 buffer (rows x S x H x 4): decode, shuffle
+    "cache_write": (41 * MiB, 0.69),  # one cache shard (stored dtype): encode, checksum, compress
 }
 
 
@@ -573,7 +573,7 @@ def build_plan(cfg, o: PlanOptions) -> dict:
                   "vocab": sh.vocab, "params": sh.params, "tied": sh.tied},
         "partition": {"M": M, "blocks": [list(b) for b in part.blocks],
                       "block_params": part.block_params},
-        "setup": {**p.__dict__, "global_batch": o.batch or cfg.train.batch_size,
+        "setup": {**p.__dict__, "global_batch": p.batch * o.cards,
                   "card": o.card, "card_bytes": mem, "cards": o.cards},
         "stages": stages,
         "full_fits": stages[0]["fits"], "bcd_fits": all(s["fits"] for s in bcd),
@@ -651,6 +651,10 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr) -> dict:
     return out
 
 
+def _usd(x) -> str:
+    return "-" if x is None else f"${x:,.2f}" if x < 100 else f"${x:,.0f}"
+
+
 def _gib(b) -> str:
     return "-" if b is None else f"{b / GiB:.2f}" if b < 10 * GiB else f"{b / GiB:.1f}"
 
@@ -673,14 +677,14 @@ def format_plan(plan: dict) -> str:
         f"{'on (what-if)' if st['act_recompute'] else 'off'}",
         f"memory estimated per card, GiB ({where}; see preinfer/plan.py)",
         "",
-        f"{'stage':34s} {'weights':>8s} {'grads':>7s} {'optim':>7s} {'activ':>7s} "
+        f"{'stage':36s} {'weights':>8s} {'grads':>7s} {'optim':>7s} {'activ':>7s} "
         f"{'host io':>8s} {'runtime':>8s} {'PEAK':>8s}  phase     fits",
     ]
     for s in plan["stages"]:
         cp = s["components"]
         io = cp.get("reader", 0) + cp.get("shard", 0)
         out.append(
-            f"{s['stage']:34s} {_gib(cp['weights']):>8s} {_gib(cp.get('grads')):>7s} "
+            f"{s['stage']:36s} {_gib(cp['weights']):>8s} {_gib(cp.get('grads')):>7s} "
             f"{_gib(cp.get('optimizer')):>7s} {_gib(cp['activations']):>7s} {_gib(io):>8s} "
             f"{_gib(cp['runtime']):>8s} {_gib(s['peak']):>8s}  {s['phase']:9s} "
             f"{'yes' if s['fits'] else 'NO'}"
@@ -726,7 +730,7 @@ def format_plan(plan: dict) -> str:
         extra += (f", same-device factor {r['same_device_factor']:.2f}"
                   if r.get("same_device_factor") else "")  # fmt: skip
         out.append(f"  {name:22s} cards {r.get('cards') or '-'}  hours "
-                   f"{'-' if h is None else f'{h:,.1f}'}  cost {'-' if cost is None else f'${cost:,.0f}'}{extra}")  # fmt: skip
+                   f"{'-' if h is None else f'{h:,.1f}'}  cost {_usd(cost)}{extra}")  # fmt: skip
     use = c["cache_use"]
     if use["cached_per_boundary"] and use["cached_per_boundary"] > 2 * use["read_per_visit"]:
         frac = use["read_per_visit"] / use["cached_per_boundary"]

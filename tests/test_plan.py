@@ -159,9 +159,14 @@ def test_disk_guard_refuses_when_the_cache_exceeds_free_disk(tiny_run):
     assert check_disk_for_cache(cfg, mode="full", free_bytes=1) is None  # full writes no cache
     with pytest.raises(DiskSpaceError):
         check_disk_for_cache(cfg, free_bytes=rot["need"] - 1)
-    plans = [SimpleNamespace(split="train", fingerprint="a", complete=False, missing=[]),
-             SimpleNamespace(split="val", fingerprint="b", complete=True, missing=[])]  # fmt: skip
-    assert check_disk_for_cache(cfg, 1, plans=plans, free_bytes=1)["need"] == 0  # nothing to write
+    plans = [SimpleNamespace(split="train", fingerprint="a", complete=False),
+             SimpleNamespace(split="val", fingerprint="b", complete=True)]  # fmt: skip
+    part = check_disk_for_cache(cfg, 1, plans=plans, free_bytes=10**12)
+    assert part["need"] == per["train"]  # val is complete; train's one shard is still to write
+    done = Path(cfg.cache.root, "a", "done")
+    done.mkdir(parents=True)
+    (done / "00000.json").write_text("{}")  # its shard committed: a resumed build needs nothing
+    assert check_disk_for_cache(cfg, 1, plans=plans, free_bytes=1)["need"] == 0
 
 
 def test_disk_estimate_uses_a_measured_codec_ratio(tiny_run):
