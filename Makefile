@@ -8,7 +8,7 @@ SETARGS := $(foreach s,$(SET),--set $(s))
 CLI     := $(PY) -m preinfer.cli
 PYTEST_WORKERS ?=
 
-.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval plan report clean
+.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval plan report study bench clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,12 @@ eval: $(STAMP)
 
 plan: $(STAMP)
 	$(CLI) plan --config $(CONFIG) $(SETARGS)
+
+study: $(STAMP)
+	$(PY) bench/quality.py $(if $(QUICK),--quick)
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
 
 report: $(STAMP)
 	$(CLI) report --config $(CONFIG) $(SETARGS)

@@ -1,0 +1,310 @@
+"""`make bench`: run every benchmark script in bench/, collect the results, write a table.
+
+    python bench/run_all.py                    # every script (its --quick form where it has one)
+    python bench/run_all.py --only cache_io trainer_step
+    python bench/run_all.py --skip quality --timeout 1800
+
+A benchmark is a script in bench/ with a top-level `main(argv)` that returns a dict. Each runs
+in its own fresh subprocess (so one script's memory, threads or Ray instance never touch
+another's), with `--quick` when its source declares that flag, else with its defaults. The
+dicts are collected into bench/results/<timestamp>.json and a markdown table
+bench/results/<timestamp>.md (the table README's results section shows). A script that fails,
+times out or returns something other than a dict is recorded as such; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+SELF = Path(__file__).resolve().name
+
+# Runs in the child: import the script as a module, call main, write what it returned.
+_CHILD = r"""
+import importlib.util, inspect, json, math, os, sys, traceback
+path, out = sys.argv[1], os.environ["BENCH_RESULT_PATH"]
+argv = sys.argv[2:]
+sys.argv = [path, *argv]
+def clean(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [clean(v) for v in o]
+    if o is None or isinstance(o, (bool, int, float, str)):
+        return o
+    return str(o)
+try:
+    spec = importlib.util.spec_from_file_location("bench_" + os.path.basename(path)[:-3], path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses, pickle, typing look the module up there
+    spec.loader.exec_module(mod)
+    takes_args = len(inspect.signature(mod.main).parameters) > 0
+    res = mod.main(argv) if takes_args else mod.main()
+    rec = {"returned": type(res).__name__, "result": clean(res) if isinstance(res, dict) else None}
+    if not isinstance(res, dict):
+        rec["repr"] = repr(res)[:500]
+except SystemExit as e:
+    rec = {"returned": "SystemExit", "result": None, "error": f"SystemExit({e.code})"}
+except BaseException as e:
+    rec = {"returned": "exception", "result": None,
+           "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+with open(out, "w") as f:
+    json.dump(rec, f)
+"""
+
+
+def discover(bench_dir: Path = BENCH) -> list[dict]:
+    """Scripts in bench_dir with a top-level `def main`, and whether they declare --quick."""
+    found = []
+    for path in sorted(bench_dir.glob("*.py")):
+        if path.name in (SELF, "__init__.py") or path.name.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except SyntaxError as e:
+            found.append({"name": path.stem, "path": path, "error": f"SyntaxError: {e}"})
+            continue
+        mains = [
+            n
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == "main"
+        ]
+        if not mains:
+            continue
+        quick = any(isinstance(n, ast.Constant) and n.value == "--quick" for n in ast.walk(tree))
+        found.append({"name": path.stem, "path": path, "quick": quick})
+    return found
+
+
+def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool = True) -> dict:
+    """Run one script's main in a fresh subprocess; returns its record (never raises)."""
+    name = script["name"]
+    if "error" in script:
+        return {"status": "failed", "seconds": 0.0, "argv": [], "error": script["error"]}
+    argv = ["--quick"] if use_quick and script.get("quick") else []
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    out_path = log_dir / f"{name}.result.json"
+    out_path.unlink(missing_ok=True)
+    env = {
+        **os.environ,
+        "BENCH_RESULT_PATH": str(out_path),
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
+    cmd = [sys.executable, "-c", _CHILD, str(script["path"]), *argv]
+    t0 = time.perf_counter()
+    rec: dict = {"argv": argv, "log": _rel(log_path)}
+    with open(log_path, "w") as logf:
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout
+            )
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    rec["seconds"] = time.perf_counter() - t0
+    child = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    if rc is None:
+        rec.update(status="timeout", error=f"no result within {timeout:.0f} s")
+    elif child.get("result") is not None:
+        rec.update(status="ok", result=child["result"])
+    elif "error" in child:
+        rec.update(status="failed", error=child["error"], traceback=child.get("traceback"))
+    elif child.get("returned"):
+        rec.update(
+            status="failed",
+            error=f"main() returned {child['returned']} ({child.get('repr', '')}), not a dict",
+        )
+    else:
+        rec.update(status="failed", error=f"the process exited with {rc} before main returned")
+    if rec["status"] != "ok" and "error" in rec:
+        rec["log_tail"] = _tail(log_path)
+    return rec
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def flatten(obj, prefix: str = "", out: dict | None = None, limit: int = 400) -> dict:
+    """Scalar leaves of nested dicts/lists as {"a.b.0.c": value} (first `limit` leaves)."""
+    out = {} if out is None else out
+    if len(out) >= limit:
+        return out
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            flatten(v, f"{prefix}.{k}" if prefix else str(k), out, limit)
+    elif isinstance(obj, list | tuple):
+        if len(obj) > 16 and all(not isinstance(v, dict | list) for v in obj):
+            out[prefix] = f"[{len(obj)} values]"
+        else:
+            for i, v in enumerate(obj):
+                flatten(v, f"{prefix}.{i}" if prefix else str(i), out, limit)
+    else:
+        out[prefix] = obj
+    return out
+
+
+def fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if v == 0:
+            return "0"
+        if abs(v) >= 1e5 or abs(v) < 1e-3:
+            return f"{v:.3g}"
+        return f"{v:.4g}"
+    s = str(v).replace("|", "\\|").replace("\n", " ")
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def headline(result: dict, n: int = 6) -> str:
+    """A few key numbers of a result: its 'headline'/'summary' entry if it has one, else the
+    first scalar leaves."""
+    for key in ("headline", "summary"):
+        if isinstance(result.get(key), dict):
+            result = result[key]
+            break
+    leaves = flatten(result)
+    items = list(leaves.items())[:n]
+    more = len(leaves) - len(items)
+    txt = "; ".join(f"{k}={fmt(v)}" for k, v in items)
+    return txt + (f"; … (+{more})" if more > 0 else "")
+
+
+def markdown(run: dict, max_rows: int = 60) -> str:
+    L = [
+        f"# Benchmarks ({run['started']})",
+        "",
+        f"`{run['command']}` on {run['host']['cpus']} CPUs ({run['host']['machine']}, "
+        f"Python {run['host']['python']}, load average {run['host']['loadavg_start']:.1f} at "
+        f"start); commit `{run['commit']}`; total {run['seconds'] / 60:.1f} min. "
+        f"Raw: `{run['json']}`.",
+        "",
+        "| script | status | args | time (s) | key results |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rec in run["scripts"].items():
+        what = headline(rec["result"]) if rec["status"] == "ok" else fmt(rec.get("error", ""))
+        L.append(
+            f"| `{name}` | {rec['status']} | {' '.join(rec['argv']) or '(defaults)'} | "
+            f"{rec['seconds']:.0f} | {what} |"
+        )
+    for name, rec in run["scripts"].items():
+        L += ["", f"## {name}", ""]
+        if rec["status"] != "ok":
+            L.append(f"**{rec['status']}**: {fmt(rec.get('error', ''))} (log: `{rec.get('log')}`)")
+            continue
+        leaves = flatten(rec["result"])
+        L += ["| metric | value |", "|---|---|"]
+        for k, v in list(leaves.items())[:max_rows]:
+            L.append(f"| {fmt(k)} | {fmt(v)} |")
+        if len(leaves) > max_rows:
+            L.append(f"| … | {len(leaves) - max_rows} more in the JSON |")
+    return "\n".join(L) + "\n"
+
+
+def _commit() -> str:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", default=None, help="run only these scripts (stems)")
+    ap.add_argument("--skip", nargs="+", default=[], help="skip these scripts (stems)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per script")
+    ap.add_argument("--no-quick", action="store_true", help="run every script with its defaults")
+    ap.add_argument("--results-dir", default=str(BENCH / "results"))
+    ap.add_argument("--bench-dir", default=str(BENCH), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    scripts = discover(Path(args.bench_dir))
+    if args.only:
+        unknown = set(args.only) - {s["name"] for s in scripts}
+        if unknown:
+            ap.error(f"no benchmark named {', '.join(sorted(unknown))}")
+        scripts = [s for s in scripts if s["name"] in args.only]
+    scripts = [s for s in scripts if s["name"] not in args.skip]
+    results_dir = Path(args.results_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run = {
+        "command": "python bench/run_all.py" + (" " + " ".join(argv) if argv else ""),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": _commit(),
+        "host": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "loadavg_start": os.getloadavg()[0],
+        },
+        "scripts": {},
+    }
+    t0 = time.perf_counter()
+    for s in scripts:
+        print(f"bench: {s['name']} ...", flush=True)
+        rec = run_script(
+            s,
+            timeout=args.timeout,
+            log_dir=results_dir / f"{stamp}-logs",
+            use_quick=not args.no_quick,
+        )
+        run["scripts"][s["name"]] = rec
+        print(f"bench: {s['name']}: {rec['status']} in {rec['seconds']:.0f} s", flush=True)
+    run["seconds"] = time.perf_counter() - t0
+    run["host"]["loadavg_end"] = os.getloadavg()[0]
+    json_path = results_dir / f"{stamp}.json"
+    md_path = results_dir / f"{stamp}.md"
+    run["json"], run["markdown"] = _rel(json_path), _rel(md_path)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(run, indent=1))
+    md_path.write_text(markdown(run))
+    ok = sum(r["status"] == "ok" for r in run["scripts"].values())
+    print(f"bench: {ok}/{len(run['scripts'])} ok; wrote {run['json']} and {run['markdown']}")
+    return run
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
