@@ -89,6 +89,9 @@ def open_cache(
             "the cache build to write the missing shards and finalize it"
         )
     manifest = read_json(mp, "manifest")
+    from storage.manifest import validate_manifest  # schema + paths stay inside cdir
+
+    validate_manifest(manifest, cdir)
     if manifest.get("format_version") != CACHE_FORMAT_VERSION:
         raise CacheError(
             f"cache {cdir} has format version {manifest.get('format_version')}, this code reads "

@@ -21,6 +21,7 @@ from storage.cache import (
     CacheIncomplete,
     read_json,
 )
+from storage.manifest import validate_manifest
 from storage.reader import open_cache
 
 # An incomplete cache touched more recently than this may still be being built: gc keeps it.
@@ -57,6 +58,7 @@ def _summary(d: Path) -> dict:
     try:
         if row["complete"]:
             m = read_json(d / MANIFEST, "manifest")
+            validate_manifest(m, d)  # damaged: listed without its fields
             header, meta = m["header"], m.get("meta") or {}
             row.update(compression_ratio=m.get("compression_ratio"), created=m.get("created"))
         else:
@@ -91,6 +93,7 @@ def inspect_cache(root: str | Path, fingerprint: str) -> dict:
             raise CacheIncomplete(f"no cache {fingerprint} under {root}")
         return {**_summary(d), "status": "incomplete (no manifest)"}
     m = read_json(d / MANIFEST, "manifest")
+    validate_manifest(m, d)
     out = {k: v for k, v in m.items() if k not in ("shards", "files")}
     out.update(status="complete", num_shards=len(m["shards"]), size_on_disk=dir_bytes(d))
     return out
