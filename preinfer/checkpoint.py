@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -90,6 +91,9 @@ def _write_block_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+_PLAIN_BLOCK_FILE = re.compile(r"block_[0-9]+-[0-9a-f]+\.safetensors")
 
 
 def _block_file_name(b: int, digest: str) -> str:
@@ -209,6 +213,13 @@ class Checkpoint:
             raise CheckpointError(
                 f"{idx} has format version {index.get('format_version')!r}; this preinfer reads "
                 f"version {FORMAT_VERSION}; re-create the checkpoint with this version"
+            )
+        blocks = index.get("blocks") if isinstance(index.get("blocks"), list) else [None]
+        names = [b.get("file") if isinstance(b, dict) else b for b in blocks]
+        if not all(isinstance(f, str) and _PLAIN_BLOCK_FILE.fullmatch(f) for f in names):
+            raise CheckpointError(  # commit_block reads and later unlinks the named file
+                f"{idx} names a block file that is not a plain block_*.safetensors file inside "
+                f"the checkpoint ({names!r:.160}); the checkpoint is damaged or hand-edited"
             )
         return cls(p, index)
 
