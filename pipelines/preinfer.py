@@ -26,6 +26,7 @@ from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
 from preinfer.confload import ConfigError
 from preinfer.fingerprint import cache_fingerprint
+from storage import fs
 from storage.tokens import TokenStore
 
 SPLITS = ("train", "val")
@@ -95,7 +96,7 @@ def cache_meta(
         "model": ckpt.model_config_dict,
         "sampling": sampling_spec(cfg, split, round_),
         "config": cfg.to_dict(),
-        "checkpoint": str(Path(cfg.run.checkpoint).resolve()),
+        "checkpoint": str(fs.path(cfg.run.checkpoint).resolve()),  # a URL stays a URL
     }
 
 

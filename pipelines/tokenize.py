@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from pathlib import Path
 
 import tokenizers
 from tqdm import tqdm
@@ -25,6 +24,7 @@ from preinfer.tokenization import (
     tokenizer_file,
     train_bpe,
 )
+from storage import fs
 from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter
 
 
@@ -57,7 +57,7 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
             "seed": d.split_seed,
         },
     )[:32]
-    out = Path(d.out_dir)
+    out = fs.path(d.out_dir)  # a Path, or a RemotePath (s3://...)
     if TokenStore.exists(out):
         store = TokenStore(out)
         if store.fingerprint == fingerprint:

@@ -12,6 +12,11 @@ sees its file overwritten, and a crash at any point leaves a consistent checkpoi
 Tied tensors (GPT-2's lm_head.weight = wte.weight) are stored once, in block 0's file. A later
 block that needs one (the head of block M-1) reads just that tensor from block 0's file by name;
 no other block may write it.
+
+The directory may be an object-store URL (s3://bucket/prefix, storage/fs.py). Each file is then
+ONE PUT (atomic: never visible half-written) in the same order: new block file, then
+checkpoint.json (the commit point), then the old file's delete. `init_checkpoint` writes the
+block files straight under the prefix and checkpoint.json last (no directory rename there).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 from torch import nn
 
@@ -41,6 +48,7 @@ from preinfer.partition import (  # noqa: F401  (trainable_*: re-exported, used 
     trainable_named_parameters,
     trainable_parameters,
 )
+from storage import fs
 
 FORMAT = "preinfer-checkpoint"
 FORMAT_VERSION = 1
@@ -67,6 +75,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
+    if fs.is_url(path):  # one PUT: atomic on an object store
+        fs.put(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+        return
     tmp = _tmp_beside(path)
     try:
         with open(tmp, "w") as f:
@@ -82,6 +93,9 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def _write_block_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    if fs.is_url(path):  # one PUT: atomic on an object store
+        fs.put(path, save_safetensors({k: v.contiguous() for k, v in tensors.items()}, meta))
+        return
     tmp = _tmp_beside(path)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
@@ -185,13 +199,14 @@ class Checkpoint:
     """An opened checkpoint directory (read the index; tensors are read by `load`)."""
 
     def __init__(self, path: Path, index: dict):
-        self.path = Path(path)
+        self.path = fs.path(path)  # a Path, or a RemotePath (s3://...)
         self.index = index
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
-        p = Path(path)
-        if not p.is_dir():
+        fs.check(path, "checkpoint")
+        p = fs.path(path)
+        if not (p / INDEX).is_file() and not p.is_dir():
             raise CheckpointError(
                 f"checkpoint {p} does not exist; create it with `preinfer init` (init_checkpoint)"
             )
@@ -313,12 +328,27 @@ class Checkpoint:
     def _read(self, b: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of block b's file (all, or only `names`), read on CPU."""
         path = self.block_file(b)
-        if not path.is_file():
-            raise CheckpointError(
-                f"block {b}'s file {path.name} is missing from {self.path}; the checkpoint is "
-                "damaged (restore it or re-create it with `preinfer init --force`)"
-            )
+        missing = CheckpointError(
+            f"block {b}'s file {path.name} is missing from {self.path}; the checkpoint is "
+            "damaged (restore it or re-create it with `preinfer init --force`)"
+        )
         want = names if names is not None else self.index["blocks"][b]["tensors"]
+        if fs.is_url(path):
+            try:
+                tensors = load_safetensors(path.read_bytes())
+            except FileNotFoundError:
+                raise missing from None
+            except SafetensorError as e:
+                raise CheckpointError(f"block {b}'s file {path.name} is unreadable: {e}") from None
+            lacking = [n for n in want if n not in tensors]
+            if lacking or (names is None and set(tensors) != set(want)):
+                raise CheckpointError(
+                    f"block {b}'s file {path.name} does not hold the tensors checkpoint.json "
+                    f"lists (missing {lacking[:3]}); the file was replaced or damaged"
+                )
+            return {n: tensors[n] for n in want}
+        if not path.is_file():
+            raise missing
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 have = set(f.keys())
@@ -459,8 +489,9 @@ def init_checkpoint(
     directory that looks complete. An existing checkpoint with the same content is reused; a
     different one is an error unless force=True, which writes the new block files beside the old
     ones and replaces checkpoint.json atomically (then deletes files no longer referenced)."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
+    fs.check(out_dir, "checkpoint")
+    out = fs.path(out_dir)
+    if not fs.is_url(out) and out.exists() and not out.is_dir():
         raise CheckpointError(f"checkpoint path {out} is a file; choose a directory")
     model = build_model(model_cfg)
     adapter = get_adapter(model, model_cfg.arch)
@@ -495,6 +526,8 @@ def init_checkpoint(
             if f not in keep:
                 (out / f).unlink(missing_ok=True)
         return Checkpoint.open(out)
+    if fs.is_url(out):
+        return _init_remote(out, index, states)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(
             f"{out} exists, is not empty and holds no {INDEX}: it is not a preinfer checkpoint "
@@ -517,4 +550,20 @@ def init_checkpoint(
                 return winner
         raise
     _fsync_dir(out.parent)
+    return Checkpoint.open(out)
+
+
+def _init_remote(out, index: dict, states: list[dict[str, torch.Tensor]]) -> Checkpoint:
+    """A new checkpoint under an object-store prefix: block files (content-hash names, one PUT
+    each), then checkpoint.json last; a prefix without it is incomplete. Leftover block files
+    of an interrupted init are overwritten (same names = same bytes) or left unreferenced."""
+    others = [p.name for p in out.iterdir() if not p.name.startswith("block_")]
+    if others:
+        raise CheckpointError(
+            f"{out} is not empty and holds no {INDEX} (found {others[:3]}): it is not a preinfer "
+            "checkpoint; remove those objects or choose another prefix"
+        )
+    for blk, state in zip(index["blocks"], states, strict=True):
+        _write_block_file(out / blk["file"], state, {"hash": blk["hash"]})
+    _write_json_atomic(out / INDEX, index)  # the commit point
     return Checkpoint.open(out)

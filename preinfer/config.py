@@ -21,7 +21,7 @@ from preinfer.partition import PartitionConfig
 from preinfer.prefix import PreinferConfig
 from preinfer.tokenization import DataConfig
 from preinfer.trainer import TrainConfig
-from storage.config import CacheConfig
+from storage.config import CacheConfig, StorageConfig
 
 __all__ = ["Config", "ConfigError", "RunConfig", "load_config"]
 
@@ -58,6 +58,8 @@ class Config:
     """How layers are cut into blocks."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     """Activation cache storage."""
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """Object-store options (endpoint, credentials) for s3:// paths of tokens/checkpoint/cache."""
     preinfer: PreinferConfig = field(default_factory=PreinferConfig)
     """Pre-inference Ray job."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -76,6 +78,9 @@ class Config:
         self.data.out_dir = _absolute(self.data.out_dir)
         self.run.checkpoint = _absolute(self.run.checkpoint)
         self.cache.root = _absolute(self.cache.root)
+        from storage import fs
+
+        fs.configure(self.storage)  # options of s3:// paths in this process (and Ray workers)
         if self.model.checkpoint is None and self.data.seq_len > self.model.max_positions:
             raise ConfigError(
                 f"data.seq_len ({self.data.seq_len}) is larger than model.max_positions "

@@ -8,6 +8,10 @@ bytes, or (before the first write) nothing. Temp names are unique per process, s
 writers of the same file (identical content by construction) never clobber each other's
 temp file; the last os.replace wins. Leftover temp files of dead writers are removed by
 `clean_partials`.
+
+Object-store URLs (s3://..., see storage/fs.py) take the same calls: an object PUT is atomic,
+so `write_aside` only prepares the bytes, `commit` PUTs them to the final key (never a temp
+key, so no half object and no leftover is ever visible), and `clean_partials` has nothing to do.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from storage import fs
 
 PARTIAL_SUFFIX = ".partial"
 # A temp file whose writer we cannot see (another host) is stale after this long.
@@ -48,9 +54,21 @@ def _parts(data: Buffer | list[Buffer] | tuple[Buffer, ...]) -> list[Buffer]:
     return list(data) if isinstance(data, list | tuple) else [data]
 
 
-def write_aside(path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True) -> Path:
+class PendingPut:
+    """The bytes of an object-store write, PUT to their key by `commit` (a URL's "temp file")."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+def write_aside(
+    path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True
+) -> Path | PendingPut:
     """Write `data` (one buffer, or a list written back to back) to a fresh temp file next to
-    `path` (fsync'd unless fsync=False); returns the temp path for `commit` (or `discard`)."""
+    `path` (fsync'd unless fsync=False); returns the temp path for `commit` (or `discard`).
+    For a URL nothing is written yet: the joined bytes wait for `commit`'s single PUT."""
+    if fs.is_url(path):
+        return PendingPut(fs.as_bytes(data))
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(p)
@@ -67,8 +85,11 @@ def write_aside(path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = 
     return tmp
 
 
-def commit(tmp: Path, path: str | Path) -> None:
-    """Rename a `write_aside` temp file onto `path` (atomic)."""
+def commit(tmp: Path | PendingPut, path: str | Path) -> None:
+    """Rename a `write_aside` temp file onto `path`, or PUT its bytes to the URL (atomic)."""
+    if isinstance(tmp, PendingPut):
+        fs.put(path, tmp.data)
+        return
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -76,8 +97,9 @@ def commit(tmp: Path, path: str | Path) -> None:
         raise
 
 
-def discard(tmp: Path) -> None:
-    tmp.unlink(missing_ok=True)
+def discard(tmp: Path | PendingPut) -> None:
+    if not isinstance(tmp, PendingPut):
+        tmp.unlink(missing_ok=True)
 
 
 def write_bytes(path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True) -> None:
@@ -146,6 +168,8 @@ def clean_partials(
     A temp file of a live writer (this host, pid alive, recent) is left alone, so cleaning
     while another process writes the same cache is safe.
     """
+    if fs.is_url(root):
+        return []  # object stores get no temp objects (commit PUTs the final key)
     out = []
     for p in Path(root).rglob(f"*{PARTIAL_SUFFIX}"):
         if p.is_file() and partial_is_stale(p, stale_after_s=stale_after_s):
@@ -209,6 +233,12 @@ def checksum_file(
 ) -> tuple[str, int]:
     """(hex digest, size in bytes) of a file, read in `chunk`-byte pieces into one buffer."""
     h, n = hasher(algo), 0
+    if fs.is_url(path):
+        with fs.open_read(path) as f:
+            while block := f.read(chunk):
+                h.update(block)
+                n += len(block)
+        return h.hexdigest(), n
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))
         view = memoryview(buf)
@@ -230,6 +260,8 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> tuple[str, int]:
 
 
 def dir_bytes(path: Path) -> int:
+    if fs.is_url(path):
+        return fs.du(path)
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
@@ -243,6 +275,11 @@ def human(n: float) -> str:
 
 def read_array(path: str | Path) -> np.ndarray:
     """The whole file as a fresh, writable uint8 array (one read straight into it)."""
+    if fs.is_url(path):
+        data = fs.path(path).read_bytes()
+        buf = np.empty(len(data), np.uint8)
+        buf[:] = np.frombuffer(data, np.uint8)
+        return buf
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = np.empty(size, np.uint8)

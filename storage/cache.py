@@ -18,6 +18,10 @@ Markers are written atomically but not fsync'd (FSYNC_MARKERS): a marker is a cl
 re-checked against the shard's bytes (size + checksum) before anything relies on it (resume,
 finalize), and its shard was fsync'd before it was written; so a marker lost or torn by a crash
 only means that shard is written again. The manifest, which readers trust, is fsync'd.
+
+`root` may be an object-store URL (s3://bucket/prefix, storage/fs.py): there each file is ONE
+PUT of its final key (atomic: never visible half-written), in the same order (shard objects,
+then their marker, then the manifest last), and "directories" are key prefixes.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from preinfer.fingerprint import CACHE_FORMAT_VERSION
-from storage import atomic, codecs
+from storage import atomic, codecs, fs
 from storage.atomic import checksum_entry, checksum_file, dir_bytes, entry_matches, human
 from storage.config import CacheConfig
 
@@ -91,7 +95,10 @@ def estimate_cache_bytes(n: int, seq_len: int, hidden_size: int, dtype: str) -> 
 
 
 def free_disk_bytes(path: str | Path) -> int:
-    """Free bytes on the filesystem of `path` (or its nearest existing parent)."""
+    """Free bytes on the filesystem of `path` (or its nearest existing parent); an object
+    store (URL) has no limit to check: fs.UNLIMITED_BYTES."""
+    if fs.is_url(path):
+        return fs.UNLIMITED_BYTES
     p = Path(path).absolute()
     while not p.exists():
         p = p.parent
@@ -100,17 +107,19 @@ def free_disk_bytes(path: str | Path) -> int:
 
 def is_complete(root: str | Path, fingerprint: str) -> bool:
     """True if `<root>/<fingerprint>` has its manifest (checksums are the reader's job)."""
-    return (Path(root) / fingerprint / MANIFEST).is_file()
+    return (fs.path(root) / fingerprint / MANIFEST).is_file()
 
 
 def check_marker(cache_dir: Path, marker: dict, *, verify: bool = True) -> str | None:
     """None if every file of the marker exists with its size (and checksum if verify); else why."""
     for rel, want in marker["files"].items():
         p = cache_dir / rel
-        if not p.is_file():
+        try:
+            size = p.stat().st_size  # one request on an object store
+        except FileNotFoundError:
             return f"{rel} is missing"
-        if p.stat().st_size != want["bytes"]:
-            return f"{rel} has {p.stat().st_size} bytes, marker says {want['bytes']}"
+        if size != want["bytes"]:
+            return f"{rel} has {size} bytes, marker says {want['bytes']}"
         if verify and not atomic.file_matches(p, want):
             return f"{rel} checksum differs from its done marker (bytes changed on disk)"
     return None
@@ -197,7 +206,9 @@ class CacheWriter:
                 )
         except codecs.CodecError as e:
             raise CacheError(str(e)) from None
-        cache_dir = Path(root) / fingerprint
+        fs.check(root, "cache root")
+        cache_dir = fs.path(root) / fingerprint
+        meta_blob = fs.redact(meta_blob)
         for name, blob in jsons.items():
             p = cache_dir / name / "zarr.json"
             if p.exists() and p.read_bytes() != blob:
@@ -225,7 +236,7 @@ class CacheWriter:
         sp = cache_dir / SAMPLES
         if sp.exists():
             try:
-                old = codecs.samples_arrays(pq.read_table(sp), seq_len)
+                old = codecs.samples_arrays(pq.read_table(fs.parquet_source(sp)), seq_len)
             except (OSError, pa.ArrowException, codecs.CodecError) as e:
                 raise CacheCorrupt(f"{sp} is unreadable ({e}); delete it and rerun") from None
             if not all(np.array_equal(a, b) for a, b in zip(old, (sid, ids, labels), strict=True)):
@@ -247,7 +258,8 @@ class CacheWriter:
     @classmethod
     def open(cls, root: str | Path, fingerprint: str) -> CacheWriter:
         """Open a cache that `create` made (e.g. in a worker that has no samples at hand)."""
-        d = Path(root) / fingerprint
+        fs.check(root, "cache root")
+        d = fs.path(root) / fingerprint
         try:
             build = read_json(d / BUILD, "build file")
             jsons = {n: (d / n / "zarr.json").read_bytes() for n in (HIDDEN, SCALE)
@@ -264,7 +276,8 @@ class CacheWriter:
 
     def read_input_ids(self, start: int, stop: int) -> np.ndarray:
         """input_ids [stop-start, S] int32 of rows [start, stop) from samples.parquet."""
-        return codecs.read_samples(pq.ParquetFile(self.dir / SAMPLES), start, stop, "input_ids")
+        src = pq.ParquetFile(fs.parquet_source(self.dir / SAMPLES))
+        return codecs.read_samples(src, start, stop, "input_ids")
 
     # ----------------------------------------------------------------------- shards
 

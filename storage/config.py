@@ -38,3 +38,43 @@ class CacheConfig:
                 f"cache.shuffle={self.shuffle!r} needs cache.codec='blosc-zstd' "
                 f"(got {self.codec!r}); set cache.shuffle=none"
             )
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    endpoint_url: str | None = None
+    """S3-compatible endpoint, e.g. http://minio:9000; null = AWS (or AWS_ENDPOINT_URL)."""
+    region: str | None = None
+    """Bucket region; null = from AWS_REGION / AWS_DEFAULT_REGION / ~/.aws/config."""
+    key: str | None = None
+    """Access key id; null = AWS credential chain (AWS_ACCESS_KEY_ID, ~/.aws, roles)."""
+    secret: str | None = None
+    """Secret access key (with key); null = AWS credential chain (AWS_SECRET_ACCESS_KEY, ...)."""
+    anon: bool = False
+    """Unsigned requests, for public buckets (no credentials looked up)."""
+    retries: int = 5
+    """Attempts per object-store request before an error is raised."""
+    connect_timeout_s: float = 10.0
+    """Seconds to wait for a connection to the endpoint."""
+
+    def __post_init__(self):
+        if self.endpoint_url is not None:
+            scheme, _, host = self.endpoint_url.partition("://")
+            if scheme not in ("http", "https") or not host.strip("/"):
+                raise ConfigError(
+                    f"storage.endpoint_url must look like http(s)://host[:port], got "
+                    f"{self.endpoint_url!r}"
+                )
+        if (self.key is None) != (self.secret is None):
+            raise ConfigError(
+                "storage.key and storage.secret go together: set both, or neither (then the "
+                "AWS credential chain is used: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ...)"
+            )
+        if self.anon and self.key is not None:
+            raise ConfigError("storage.anon=true sends unsigned requests: drop storage.key/secret")
+        if self.retries < 1:
+            raise ConfigError(f"storage.retries must be >= 1, got {self.retries}")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(
+                f"storage.connect_timeout_s must be > 0, got {self.connect_timeout_s}"
+            )

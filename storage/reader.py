@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from preinfer.fingerprint import CACHE_FORMAT_VERSION
-from storage import codecs
+from storage import codecs, fs
 from storage.atomic import checksum, entry_algo, file_matches, read_array
 from storage.cache import (
     DONE,
@@ -74,7 +74,8 @@ def open_cache(
     hashed when verify=True, otherwise each shard when read; check_reads=False skips the
     per-read checksum (size checks only) once a cache has been verified).
     """
-    cdir = Path(root) if fingerprint is None else Path(root) / fingerprint
+    fs.check(root, "cache root")  # a URL: clear error for a bad endpoint / bucket
+    cdir = fs.path(root) if fingerprint is None else fs.path(root) / fingerprint
     fp = cdir.name
     if not cdir.is_dir():
         raise CacheIncomplete(f"no cache at {cdir}; build it first (preinfer cache build)")
@@ -102,7 +103,7 @@ def open_cache(
     if found != fp or (want is not None and want != found):
         why = [f"directory {fp!r}, manifest {found!r}"]
         other = expected_meta
-        if other is None and want is not None and (Path(cdir.parent) / want / MANIFEST).exists():
+        if other is None and want is not None and (cdir.parent / want / MANIFEST).exists():
             other = read_json(cdir.parent / want / MANIFEST, "manifest").get("meta")
         if other is not None:
             why += meta_diff(other, manifest.get("meta") or {}) or ["(meta identical)"]
@@ -134,7 +135,7 @@ class Cache:
     """A complete cache. Rows are samples; hidden [N, S, H]; labels [N, S]."""
 
     def __init__(self, cache_dir: Path, manifest: dict, *, check_reads: bool = True):
-        self.dir = Path(cache_dir)
+        self.dir = fs.path(cache_dir)  # a Path, or a RemotePath (s3://...)
         self.check_reads = check_reads  # checksum of every shard read (False: size only)
         self.manifest = manifest
         h = manifest["header"]
@@ -198,6 +199,8 @@ class Cache:
         """Read whole shard i's values straight into `dest` (its rows, C-contiguous), checked
         like _shard_bytes: one copy, no decode. False if the shard is not stored that way
         (compressed, lossy with a scale file, or another layout): use _shard_bytes then."""
+        if fs.is_url(self.dir):
+            return False  # an object store: one GET per shard (_shard_bytes)
         files = self.manifest["shards"][i]["files"]
         hc = codecs.shard_codec(self._json[HIDDEN])
         span = hc.dense_payload(len(dest))
@@ -285,7 +288,7 @@ class Cache:
 
     def _samples_groups(self, groups: list[int]) -> tuple[np.ndarray, np.ndarray]:
         if self._pq is None:
-            self._pq = pq.ParquetFile(self.dir / SAMPLES)
+            self._pq = pq.ParquetFile(fs.parquet_source(self.dir / SAMPLES))
         t = self._pq.read_row_groups(groups, columns=["sample_id", "labels"])
         sids = t.column(0).to_numpy()
         lab = pc.list_flatten(t.column(1)).to_numpy().reshape(len(sids), -1)
@@ -295,7 +298,7 @@ class Cache:
         """(labels [n, S] long, sample_ids [n] long) of rows [start, stop)."""
         self._check_range(start, stop)
         if self._pq is None:
-            self._pq = pq.ParquetFile(self.dir / SAMPLES)
+            self._pq = pq.ParquetFile(fs.parquet_source(self.dir / SAMPLES))
         r = self._pq.metadata.row_group(0).num_rows
         g0, g1 = start // r, (stop - 1) // r
         if g0 == g1:  # one group (a shard): kept for the next read

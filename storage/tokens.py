@@ -6,6 +6,12 @@
 
 A store is written into a sibling temp directory and renamed into place, so a directory
 holding a manifest is always complete.
+
+On an object store (`dir` an s3://... URL, storage/fs.py) there is no rename: the store is
+written into a local temp directory, then each file is PUT (atomic per object) under the
+prefix, manifest.json LAST, so a prefix holding a manifest is complete there too. Replacing a
+store (--force) deletes the old manifest first (the prefix is then incomplete, never mixed),
+and removes the old files the new manifest does not list after it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable
@@ -23,6 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from preinfer.fingerprint import file_hash
+from storage import fs
+from storage.atomic import checksum_file
 
 TOKENS_FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -42,9 +51,13 @@ class TokenStoreWriter:
     """Writes one token store aside (`<dir>.partial-<uuid>`), then `commit()` renames it."""
 
     def __init__(self, out_dir: str | Path, *, seq_len: int, shard_rows: int):
-        self.out_dir = Path(out_dir)
-        self.tmp = self.out_dir.with_name(f"{self.out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-        self.tmp.mkdir(parents=True)
+        self.out_dir = fs.path(out_dir)
+        if fs.is_url(self.out_dir):  # staged locally, PUT object by object at commit
+            fs.check(self.out_dir, "token store")
+            self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out_dir.name}.partial-"))
+        else:
+            self.tmp = self.out_dir.with_name(f"{self.out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+            self.tmp.mkdir(parents=True)
         self.seq_len = seq_len
         self.shard_rows = shard_rows
         self.shards: dict[str, list[dict]] = {s: [] for s in SPLITS}
@@ -88,7 +101,10 @@ class TokenStoreWriter:
             "shards": self.shards,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        manifest = fs.redact(manifest)  # no storage credentials in a persisted config
         (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        if fs.is_url(self.out_dir):
+            return self._commit_remote(replace)
         old = None
         if self.out_dir.exists():
             if not replace:
@@ -101,12 +117,33 @@ class TokenStoreWriter:
             shutil.rmtree(old, ignore_errors=True)
         return TokenStore(self.out_dir)
 
+    def _commit_remote(self, replace: bool) -> TokenStore:
+        out = self.out_dir
+        try:
+            old = {p.name for p in out.iterdir()}
+            if old:
+                if not replace:
+                    raise TokenStoreError(
+                        f"{out} is not empty (another tokenize wrote there meanwhile, or it "
+                        "holds something else); rerun with --force to replace it"
+                    )
+                (out / "manifest.json").unlink(missing_ok=True)  # incomplete from now on
+            names = sorted(p.name for p in self.tmp.iterdir() if p.name != "manifest.json")
+            for name in [*names, "manifest.json"]:  # the manifest last: the commit point
+                fs.put(out / name, (self.tmp / name).read_bytes())
+            for name in old - {*names, "manifest.json"}:
+                (out / name).unlink(missing_ok=True)
+        finally:
+            self.abort()
+        return TokenStore(out)
+
 
 class TokenStore:
     """Read access to a complete token store."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        fs.check(path, "token store")
+        self.path = fs.path(path)  # a Path, or a RemotePath (s3://...)
         mpath = self.path / "manifest.json"
         if not mpath.is_file():
             raise TokenStoreError(
@@ -122,7 +159,8 @@ class TokenStore:
 
     @staticmethod
     def exists(path: str | Path) -> bool:
-        return (Path(path) / "manifest.json").is_file()
+        fs.check(path, "token store")
+        return (fs.path(path) / "manifest.json").is_file()
 
     @property
     def fingerprint(self) -> str:
@@ -153,7 +191,7 @@ class TokenStore:
         if self._cache is not None and self._cache[:2] == (split, i):
             return self._cache[2]
         info = self.manifest["shards"][split][i]
-        table = pq.read_table(self.path / info["file"], columns=["input_ids"])
+        table = pq.read_table(fs.parquet_source(self.path / info["file"]), columns=["input_ids"])
         col = table.column("input_ids").combine_chunks()
         rows = col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
         self._cache = (split, i, rows)
@@ -192,6 +230,6 @@ class TokenStore:
         for split in SPLITS:
             for info in self.manifest["shards"][split]:
                 p = self.path / info["file"]
-                if not p.is_file() or file_hash(p) != info["sha256"]:
+                if not p.is_file() or checksum_file(p, "sha256")[0] != info["sha256"]:
                     bad.append(info["file"])
         return bad

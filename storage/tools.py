@@ -1,7 +1,8 @@
 """Cache management for `preinfer cache ls/inspect/verify/gc`: plain functions returning data.
 
 A directory under the root counts as a cache when it holds hidden.zarr/, done/ or
-manifest.json; anything else under the root is never touched.
+manifest.json; anything else under the root is never touched. The root may be an
+object-store URL (s3://bucket/prefix): caches are then key prefixes under it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
-from storage import atomic
+from storage import atomic, fs
 from storage.atomic import dir_bytes
 from storage.cache import (
     BUILD,
@@ -29,7 +30,8 @@ GC_GRACE_S = 3600.0
 
 
 def _cache_dirs(root: str | Path) -> list[Path]:
-    r = Path(root)
+    fs.check(root, "cache root")
+    r = fs.path(root)
     if not r.is_dir():
         raise CacheError(f"cache root {r} does not exist (nothing built there yet?)")
     return sorted(
@@ -87,7 +89,7 @@ def list_caches(root: str | Path) -> list[dict]:
 
 def inspect_cache(root: str | Path, fingerprint: str) -> dict:
     """Manifest summary of one cache (without the per-shard list); incomplete: what is known."""
-    d = Path(root) / fingerprint
+    d = fs.path(root) / fingerprint
     if not (d / MANIFEST).exists():
         if not d.is_dir():
             raise CacheIncomplete(f"no cache {fingerprint} under {root}")
@@ -126,12 +128,17 @@ def gc_caches(
         reason = "not in keep set" if complete else "incomplete (no manifest)"
         size = dir_bytes(d)
         if not dry_run:
-            shutil.rmtree(d, ignore_errors=True)
+            if fs.is_url(d):
+                fs.rmtree(d)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
         out.append((fp, reason, size))
     return out
 
 
 def _newest_mtime(d: Path) -> float:
+    if fs.is_url(d):
+        return fs.newest_mtime(d, default=time.time())  # no objects yet: as if just touched
     return max((p.stat().st_mtime for p in d.rglob("*")), default=d.stat().st_mtime)
 
 
