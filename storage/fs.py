@@ -23,6 +23,7 @@ or missing credentials fail with one clear StorageError before anything is writt
 from __future__ import annotations
 
 import fnmatch
+import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -116,8 +117,18 @@ def s3_options(cfg: StorageConfig) -> dict:
     return opts
 
 
+_fs_memo: dict[tuple, Any] = {}
+
+
 def filesystem(scheme: str):
-    """The fsspec filesystem of `scheme` with this process's options (cached by fsspec)."""
+    """The fsspec filesystem of `scheme` with this process's options (one per process)."""
+    memo = (scheme, os.getpid(), repr(_cfg))
+    if memo not in _fs_memo:
+        _fs_memo[memo] = _make_filesystem(scheme)
+    return _fs_memo[memo]
+
+
+def _make_filesystem(scheme: str):
     import fsspec
 
     try:

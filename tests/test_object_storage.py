@@ -255,6 +255,16 @@ def test_cache_writes_are_ordered_whole_puts(s3, s3_run, monkeypatch):
     assert cache.read_rows(0, 10)[0].shape == (10, 4, 8)
     build = json.loads(fs.path(f"{root}/{w.header['fingerprint']}/build.json").read_text())
     assert build["meta"]["config"]["storage"]["secret"] == "***"
+    # cache tools on the prefix: ls, inspect, gc (deletes every object of the cache)
+    from storage import tools
+
+    fp = w.header["fingerprint"]
+    (row,) = tools.list_caches(root)
+    assert row["fingerprint"] == fp and row["complete"] and row["done_shards"] == 4
+    assert tools.inspect_cache(root, fp)["status"] == "complete"
+    assert tools.gc_caches(root, keep={fp}, dry_run=False) == []
+    removed = tools.gc_caches(root, keep=set(), dry_run=False, grace_s=0)
+    assert [r[0] for r in removed] == [fp] and keys(root) == []
 
 
 @pytest.mark.ray
