@@ -33,6 +33,7 @@ SPLITS = ("train", "val")
 FAULT_ENV = (
     "PREINFER_TEST_DIE_ONCE"  # test-only: path of a marker; the first task to see it absent dies
 )
+SLOW_ENV = "PREINFER_TEST_SHARD_DELAY_S"  # test-only: each shard task sleeps this long first
 
 
 @dataclass(kw_only=True)
@@ -176,6 +177,7 @@ class PrefixWorker:
         self._sources: dict = {}  # fingerprint -> open boundary-(block-1) cache (refresh)
 
     def _maybe_die(self) -> None:
+        time.sleep(float(os.environ.get(SLOW_ENV) or 0))  # test-only (a node killed mid-build)
         marker = os.environ.get(FAULT_ENV)
         if marker and not os.path.exists(marker):
             Path(marker).write_text(str(os.getpid()))
@@ -250,7 +252,7 @@ def _run_workers(
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     pool = min(cfg.preinfer.actors, len(items))
-    env = {k: os.environ[k] for k in (FAULT_ENV,) if k in os.environ}
+    env = {k: os.environ[k] for k in (FAULT_ENV, SLOW_ENV) if k in os.environ}
     with warnings.catch_warnings():
         # restart/retry bounds are only accepted as (deprecated) free-form remote args
         warnings.simplefilter("ignore")

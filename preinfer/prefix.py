@@ -21,8 +21,10 @@ class PreinferConfig:
     """Fraction of train samples cached per round (deterministic per seed and round; part of the fingerprint)."""
     max_restarts: int = 2
     """How often a dead actor is restarted."""
-    max_task_retries: int = 3
-    """How often a failed shard task is retried."""
+    max_task_retries: int = -1
+    """How often a failed shard task is retried; -1: while its actor lives or is restarted (so
+    within max_restarts). A lost node fails its in-flight tasks fast and repeatedly ("actor
+    unavailable") until Ray declares it dead: a small bound is spent in that second."""
 
     def __post_init__(self):
         for name in ("actors", "micro_batch"):
@@ -34,6 +36,10 @@ class PreinferConfig:
             )
         if self.cpus_per_actor <= 0:
             raise ConfigError(f"preinfer.cpus_per_actor must be > 0, got {self.cpus_per_actor}")
-        for name in ("max_restarts", "max_task_retries"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"preinfer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"preinfer.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.max_task_retries < -1:
+            raise ConfigError(
+                f"preinfer.max_task_retries must be >= 0, or -1 (unbounded), got "
+                f"{self.max_task_retries}"
+            )

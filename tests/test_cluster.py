@@ -1,24 +1,37 @@
-"""A real local Ray cluster: `ray start --head` + `ray job submit` of a cache build.
+"""Real local Ray clusters: `ray start` nodes on 127.0.0.1 + `ray job submit` of a cache build.
 
-Marked `cluster` (run by `make test-slow`). The cluster is stopped even when the test fails.
+Marked `cluster` (run by `make test-slow`). Each cluster gets its own temp dirs and ports, and
+is always torn down, even when a test fails: every process whose command line names one of
+the cluster's temp dirs, and everything below them, is killed by pid. Not `ray stop --force`:
+that kills every Ray process on the machine, other users' and other tests' included.
 """
 
+from __future__ import annotations
+
+import contextlib
+import json
 import os
+import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from pipelines.preinfer import plan_caches
+from pipelines.preinfer import SLOW_ENV, plan_caches
 from storage.reader import open_cache
 from tests.pipeline_fixtures import TINY
 
 pytestmark = pytest.mark.cluster
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
+TRANSIENT = ("Connection", "No available agent", "try again later", "Failed to connect")
 
 
 def free_port() -> int:
@@ -27,72 +40,246 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Cluster:
+    """A head node plus worker nodes started with `ray start`, each with its own temp dir."""
+
+    def __init__(self):
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env.pop("RAY_ADDRESS", None)
+        self.temps: list[str] = []
+        self.seen: dict[int, float] = {}  # pid -> create_time of every process of the cluster
+        self.port, self.dash = free_port(), free_port()
+        self.gcs = f"127.0.0.1:{self.port}"
+        self.dashboard = f"http://127.0.0.1:{self.dash}"
+
+    def _temp(self) -> str:
+        t = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix sockets live under it
+        self.temps.append(t)
+        return t
+
+    def _ray_start(self, args: list[str]) -> None:
+        r = subprocess.run(
+            [str(BIN / "ray"), "start", "--disable-usage-stats", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        self.processes()  # remember them now: a killed node's children are orphaned later
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+    def start_head(self, num_cpus: int) -> None:
+        self._ray_start(
+            [
+                "--head",
+                "--node-ip-address=127.0.0.1",
+                f"--port={self.port}",
+                f"--num-cpus={num_cpus}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dash}",
+                f"--temp-dir={self._temp()}",
+            ]
+        )
+
+    def add_worker(self, num_cpus: int, resources: dict | None = None) -> str:
+        """Start a worker node (a second raylet on this host); returns its temp dir."""
+        temp = self._temp()
+        self._ray_start(
+            [
+                f"--address={self.gcs}",
+                "--node-ip-address=127.0.0.1",
+                f"--num-cpus={num_cpus}",
+                f"--node-manager-port={free_port()}",
+                f"--resources={json.dumps(resources or {})}",
+                f"--temp-dir={temp}",
+            ]
+        )
+        return temp
+
+    def processes(self, temp: str | None = None) -> list[psutil.Process]:
+        """Processes of the cluster (of one node's temp dir): those naming it, and descendants."""
+        temps = [temp] if temp else self.temps
+        out: dict[int, psutil.Process] = {}
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(t in " ".join(p.info["cmdline"] or []) for t in temps):
+                    for q in [p, *p.children(recursive=True)]:
+                        out[q.pid] = q
+            except psutil.Error:
+                continue
+        if temp is None:
+            for q in out.values():
+                with contextlib.suppress(psutil.Error):
+                    self.seen.setdefault(q.pid, q.create_time())
+        return list(out.values())
+
+    def raylet(self, temp: str) -> psutil.Process:
+        (p,) = [p for p in self.processes(temp) if p.name() == "raylet"]
+        return p
+
+    def teardown(self) -> None:
+        self.processes()
+        procs = []
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created:  # still ours, not a reused pid
+                    procs.append(p)
+            except psutil.Error:
+                continue
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(procs, timeout=30)
+        for t in self.temps:
+            shutil.rmtree(t, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------ jobs
+
+    def job(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """`ray job ARGS...` against the dashboard, retried while the job server comes up."""
+        cmd = [str(BIN / "ray"), "job", args[0], "--address", self.dashboard, *args[1:]]
+        deadline = time.time() + 180
+        while True:
+            r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+            out = r.stdout + r.stderr
+            if r.returncode == 0 or time.time() > deadline or not any(t in out for t in TRANSIENT):
+                return r
+            time.sleep(3)
+
+    def client(self):
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.time() + 180
+        while True:  # the job server comes up a little after `ray start` returns
+            try:
+                return JobSubmissionClient(self.dashboard)
+            except Exception:
+                if time.time() > deadline:
+                    raise
+                time.sleep(3)
+
+    def wait_job(self, job_id: str, timeout: float) -> str:
+        client, deadline = self.client(), time.time() + timeout
+        while time.time() < deadline:
+            status = str(client.get_job_status(job_id)).split(".")[-1]
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                return status
+            time.sleep(2)
+        return "TIMEOUT"
+
+
 @pytest.fixture
 def ray_cluster():
-    import shutil
-    import tempfile
-
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix sockets live under it
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    port, dash = free_port(), free_port()
-    start = [
-        str(BIN / "ray"),
-        "start",
-        "--head",
-        "--node-ip-address=127.0.0.1",
-        f"--port={port}",
-        "--num-cpus=2",
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        f"--temp-dir={temp}",
-        "--disable-usage-stats",
-    ]
+    """A one-node cluster: `ray start --head`."""
+    c = Cluster()
     try:
-        subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
-        yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}", "env": env}
+        c.start_head(num_cpus=2)
+        yield c
     finally:
-        subprocess.run(
-            [str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120
-        )
-        shutil.rmtree(temp, ignore_errors=True)
+        c.teardown()
 
 
-def test_job_submit_builds_a_cache_that_verifies(ray_cluster, tiny_run):
-    cfg = tiny_run()
+@pytest.fixture
+def two_node_cluster():
+    """A head node (1 CPU; the job driver runs there) and one worker node (2 CPUs): a second
+    raylet on this host with its own temp dir and node-manager port."""
+    c = Cluster()
+    try:
+        c.start_head(num_cpus=1)
+        c.worker_temp = c.add_worker(num_cpus=2, resources={"preinfer_worker_node": 1})
+        yield c
+    finally:
+        c.teardown()
+
+
+def build_entry(cfg_dir, block: int, *extra: str) -> list[str]:
     sets = []
-    for s in [*TINY, f"run.dir={cfg.run.dir}"]:
+    for s in [*TINY, f"run.dir={cfg_dir}", *extra]:
         sets += ["--set", s]
-    entry = [
+    return [
         str(BIN / "preinfer"),
         "cache",
         "build",
         "--block",
-        "2",
+        str(block),
         "--config",
         str(REPO / "configs/demo.yaml"),
         *sets,
     ]
-    submit = [
-        str(BIN / "ray"),
-        "job",
-        "submit",
-        "--address",
-        ray_cluster["dashboard"],
-        "--",
-        *entry,
-    ]
-    deadline = time.time() + 60
-    while True:  # the job server comes up a little after `ray start` returns
-        r = subprocess.run(
-            submit, env=ray_cluster["env"], capture_output=True, text=True, timeout=600
-        )
-        if r.returncode == 0 or time.time() > deadline or "Connection" not in r.stderr + r.stdout:
-            break
-        time.sleep(3)
+
+
+def test_job_submit_builds_a_cache_that_verifies(ray_cluster, tiny_run):
+    cfg = tiny_run()
+    r = ray_cluster.job("submit", "--", *build_entry(cfg.run.dir, 2))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "cache build: boundary 2" in r.stdout
     for p in plan_caches(cfg, 2, create=False):
         assert p.complete, p.split
         assert open_cache(cfg.cache.root, p.fingerprint).verify() == []
+
+
+def _done_markers(root: Path) -> int:
+    return len(list(root.glob("*/done/*.json")))
+
+
+def _actor_on(cluster: Cluster, temp: str) -> bool:
+    """True when a pre-inference actor process runs under that node's raylet."""
+    try:
+        procs = cluster.raylet(temp).children(recursive=True)
+    except (ValueError, psutil.Error):
+        return False
+    names = []
+    for p in procs:
+        try:
+            names.append(p.name() + " " + " ".join(p.cmdline()))
+        except psutil.Error:
+            continue
+    return any("MapWorker" in n or "PrefixWorker" in n for n in names)
+
+
+def test_worker_node_dies_mid_preinference_and_the_job_still_completes(two_node_cluster, tiny_run):
+    """kill -9 the worker node's raylet while its actor writes shards: Ray restarts the
+    actor on the head node (preinfer.max_restarts) and retries its shard there
+    (preinfer.max_task_retries); the shard write is idempotent, so the cache verifies."""
+    c = two_node_cluster
+    cfg = tiny_run("cache.shard_mb=0.2")  # 100 rows per shard: 22 shards
+    root = Path(cfg.cache.root)
+    client = c.client()
+    job_id = client.submit_job(
+        entrypoint=shlex.join(build_entry(cfg.run.dir, 2, "cache.shard_mb=0.2")),
+        runtime_env={"env_vars": {SLOW_ENV: "2"}},  # every shard task sleeps 2 s first
+    )
+    # pre-inference has started (a shard is committed) and an actor runs on the worker node
+    deadline = time.time() + 420
+    while time.time() < deadline and not (_done_markers(root) and _actor_on(c, c.worker_temp)):
+        status = str(client.get_job_status(job_id)).split(".")[-1]
+        assert status in ("PENDING", "RUNNING"), client.get_job_logs(job_id)[-6000:]
+        time.sleep(1)
+    done_at_kill = _done_markers(root)
+    assert done_at_kill and _actor_on(c, c.worker_temp), (
+        f"no actor on the worker node ({done_at_kill} shards done)"
+    )
+    c.processes()  # remember the worker node's processes: they are orphaned by the kill
+    raylet = c.raylet(c.worker_temp)
+    os.kill(raylet.pid, signal.SIGKILL)
+    raylet.wait(timeout=30)
+
+    status = c.wait_job(job_id, timeout=600)
+    logs = client.get_job_logs(job_id)
+    assert status == "SUCCEEDED", logs[-6000:]
+    assert "cache build: boundary 2" in logs
+    plans = plan_caches(cfg, 2, create=False)
+    total = sum(open_cache(root, p.fingerprint).num_shards for p in plans)
+    assert done_at_kill < total, f"the build had finished ({total} shards) before the kill"
+    for p in plans:
+        assert p.complete, p.split
+        r = subprocess.run(
+            [str(BIN / "preinfer"), "cache", "verify", p.fingerprint, "--root", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
