@@ -454,7 +454,7 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", nargs="+", help=".npy files of hidden states [N, S, H]")
     ap.add_argument("--synthetic", action="store_true", help="codec table on a stand-in")
@@ -487,8 +487,8 @@ def main(argv=None) -> int:
     print(markdown(res))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
-    return 0
+    return res
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

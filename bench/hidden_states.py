@@ -100,7 +100,7 @@ def generate(
     return path
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", nargs="+", choices=sorted(CONFIGS), default=["minilm", "gpt2"])
     ap.add_argument("--samples", type=int, default=256)
@@ -110,13 +110,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     a = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    written = {}
     for m in a.model:
         p = generate(
             m, a.out, samples=a.samples, docs=a.docs, seq_len=a.seq_len, boundary=a.boundary
         )
         print(p)
-    return 0
+        written[m] = str(p)
+    return {"hidden_states": written}
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

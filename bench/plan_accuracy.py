@@ -307,7 +307,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=["demo", "gpt2-small"],
                     choices=sorted(set(SETS) - set(CALIBRATION)))  # fmt: skip
@@ -319,9 +319,10 @@ def main() -> None:
     ap.add_argument("--mode", default="bcd", help=argparse.SUPPRESS)
     ap.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--refresh", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
-        return child(args)
+        child(args)
+        return None
     names = list(CALIBRATION) if args.calibrate else args.configs
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
@@ -336,6 +337,7 @@ def main() -> None:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    return {"rows": rows}
 
 
 if __name__ == "__main__":

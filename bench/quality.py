@@ -377,7 +377,9 @@ class GlobalOrderCacheBatches:
     the token store packs documents in order, so its batches come from a few neighbouring
     documents; this class isolates what that costs."""
 
-    def __init__(self, cache, *, batch_size, seed, rank=0, world=1, shuffle=True, dtype=None):
+    def __init__(
+        self, cache, *, batch_size, seed, rank=0, world=1, shuffle=True, dtype=None, buffer_mb=None
+    ):
         import torch
 
         self.hidden, self.labels, _ = cache.read_rows(0, cache.num_samples, torch.float32)
@@ -782,7 +784,8 @@ def probe_main(spec: dict) -> dict:
         hwm = ""
     base = _proc_status_mb("VmRSS")
     base_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    spec_v = visit_spec(cfg, k, 0, mode)
+    # the arm's kept caches are its last round's (cache fingerprints carry the round's row order)
+    spec_v = visit_spec(cfg, k, max(0, arm.rounds - 1) if mode == "bcd" else 0, mode)
     visit = Visit(cfg, spec_v, device=torch.device("cpu"))
     opt = build_optimizer(visit.params, cfg.train)
     it = iter(visit.batches.epoch(0))

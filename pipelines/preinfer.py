@@ -43,7 +43,7 @@ class CachePlan:
     split: str
     fingerprint: str
     indices: np.ndarray
-    """(N,) token-store rows of this split that the cache holds, ascending."""
+    """(N,) token-store rows of this split that the cache holds, in cache row order."""
     complete: bool
     missing: list[int]
 
@@ -59,10 +59,33 @@ def sample_indices(cfg: Config, store: TokenStore, split: str, round_: int) -> n
     return np.sort(rng.choice(n, size=k, replace=False))
 
 
+def row_order(cfg: Config, split: str, round_: int, n: int) -> np.ndarray:
+    """Permutation of the split's sampled rows into cache row order.
+
+    The token store packs documents in order, so rows next to each other come from the same
+    or neighbouring documents. Train caches store their rows in a seeded random order, so a
+    shard (and a batch drawn from a one-shard shuffle buffer) mixes the whole corpus: a
+    document-ordered cache trains measurably worse (docs/quality.md, 'Cache batch order').
+    Val keeps token order. Every boundary of one (seed, round) shares the order, so refresh
+    maps row i of boundary K-1 to row i of boundary K.
+    """
+    if split == "val":
+        return np.arange(n)
+    return np.random.default_rng([cfg.train.seed, round_, 104729]).permutation(n)
+
+
 def sampling_spec(cfg: Config, split: str, round_: int) -> dict:
-    if split == "val" or cfg.preinfer.sample_fraction >= 1.0:
+    if split == "val":
         return {"fraction": 1.0}
-    return {"fraction": cfg.preinfer.sample_fraction, "seed": cfg.train.seed, "round": round_}
+    order = {"order": "shuffled", "order_seed": [cfg.train.seed, round_]}
+    if cfg.preinfer.sample_fraction >= 1.0:
+        return {"fraction": 1.0, **order}
+    return {
+        "fraction": cfg.preinfer.sample_fraction,
+        "seed": cfg.train.seed,
+        "round": round_,
+        **order,
+    }
 
 
 def codec_spec(cfg: Config) -> dict:
@@ -121,7 +144,9 @@ def plan_caches(
     plans = []
     for split in SPLITS:
         fp = fingerprint_for(cfg, ckpt, store, block, split, round_)
-        idx = sample_indices(cfg, store, split, round_)
+        sorted_idx = sample_indices(cfg, store, split, round_)  # ascending
+        order = row_order(cfg, split, round_, len(sorted_idx))
+        idx = sorted_idx[order]
         if is_complete(cfg.cache.root, fp):
             bad = CacheWriter.open(cfg.cache.root, fp).missing_shards(verify=True) if verify else []
             plans.append(
@@ -130,7 +155,7 @@ def plan_caches(
             continue
         missing: list[int] = []
         if create:
-            rows = store.read_indices(split, idx)  # (N, S+1) int32
+            rows = store.read_indices(split, sorted_idx)[order]  # (N, S+1) int32, row order
             writer = CacheWriter.create(
                 cfg.cache.root,
                 fp,

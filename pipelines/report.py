@@ -23,6 +23,7 @@ from pathlib import Path
 
 from preinfer.config import Config
 from preinfer.confload import to_dict
+from storage import fs
 from storage.atomic import human
 
 FIGSIZE = (6.0, 3.5)
@@ -121,9 +122,9 @@ def collect(cfg: Config) -> dict:
     run = Path(cfg.run.dir)
     m = read_metrics(run / "metrics.jsonl")
     state = _read_json(run / "state.json") or {}
-    ckpt = _read_json(Path(cfg.run.checkpoint) / "checkpoint.json")
-    tokens = _read_json(Path(cfg.data.out_dir) / "manifest.json") or {}
-    cache_root = Path(cfg.cache.root)
+    ckpt = _read_json(fs.path(cfg.run.checkpoint) / "checkpoint.json")
+    tokens = _read_json(fs.path(cfg.data.out_dir) / "manifest.json") or {}
+    cache_root = fs.path(cfg.cache.root)  # local or object storage
 
     # the time origin: the earliest timestamp the run wrote
     spans = {k: _visit_span(m["steps"][k], m["visits"].get(k, {})) for k in m["order"]}

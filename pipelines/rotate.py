@@ -21,6 +21,7 @@ from pathlib import Path
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.visit import last_visit_summary
+from storage import fs
 from storage.atomic import dir_bytes, write_json
 
 
@@ -72,7 +73,7 @@ def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -
         res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log)
         action, fps = res["action"], res["fingerprints"]
     state["caches_in_use"] = sorted(set(fps.values()))
-    sizes = {s: dir_bytes(Path(cfg.cache.root) / fp) for s, fp in fps.items()}
+    sizes = {s: dir_bytes(fs.path(cfg.cache.root) / fp) for s, fp in fps.items()}
     _event(
         cfg,
         state,
@@ -92,9 +93,12 @@ def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> No
         return
     for ev in state["events"]:
         for fp in ev.get("fingerprints", {}).values():
-            path = Path(cfg.cache.root) / fp
+            path = fs.path(cfg.cache.root) / fp
             if fp not in keep and path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+                if fs.is_url(path):
+                    fs.rmtree(path)
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
                 log(f"  dropped cache {fp[:12]} (no longer needed; cache.keep=false)")
 
 
@@ -109,7 +113,8 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
             f"for --mode {mode}"
         )
     state["mode"] = mode
-    write_json(Path(cfg.run.dir) / "config.json", cfg.to_dict())  # the resolved config of this run
+    # the resolved config of this run (storage credentials masked)
+    write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     M = ckpt.num_blocks
     from preinfer.guards import check_disk_for_cache, warn_trainer_memory
@@ -147,9 +152,9 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
         if mode == "full":
             steps = cfg.train.max_steps * cfg.train.rounds * M
             cfg_full = _with_steps(cfg, steps)
-            summary = run_train(cfg_full, 0, r, mode="full", log=log)
+            summary = run_train(cfg_full, 0, r, mode="full", log=log, memory_check=False)
         else:
-            summary = run_train(cfg, k, r, mode=mode, log=log)
+            summary = run_train(cfg, k, r, mode=mode, log=log, memory_check=False)
         summary = {**summary, "cache": action}
         state["visits"][key] = summary
         state["pending"] = None

@@ -54,8 +54,16 @@ def _worker_loop(config: dict) -> None:
 
 
 def run_train(
-    cfg: Config, block: int, round_: int = 0, *, mode: str | None = None, log=print
+    cfg: Config,
+    block: int,
+    round_: int = 0,
+    *,
+    mode: str | None = None,
+    log=print,
+    memory_check: bool = True,
 ) -> dict:
+    """Train one block visit (`preinfer train --block K`). memory_check: warn first when the
+    planner's trainer-peak estimate exceeds the device (bcd checks once for the rotation)."""
     mode = mode or cfg.train.mode
     if cfg.model.arch == "bert":
         raise ConfigError(
@@ -70,6 +78,13 @@ def run_train(
         )
     TokenStore(cfg.data.out_dir)
     spec = visit_spec(cfg, block, round_, mode)
+    if memory_check:
+        from preinfer.guards import warn_trainer_memory
+
+        try:
+            warn_trainer_memory(cfg, mode=mode, block=None if mode == "full" else block, log=log)
+        except Exception as e:  # an estimate must never stop a run
+            log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
     workers = cfg.train.workers
     if workers == 0:
         return Visit(cfg, spec, device=resolve_device(cfg.run.device)).run(log=log)

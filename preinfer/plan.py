@@ -73,7 +73,7 @@ CPU_ALLOC = 1.28
 CPU_INFER = 1.49
 HOST_IO = {
     "token_read": (0, 6.5),  # one token-store shard (data.shard_rows x (S+1) int32), Parquet
-    "cache_read": (0, 1.79),  # the reader's fp32 buffer (rows x S x H x 4): decode, shuffle
+    "cache_read": (0, 1.79),  # the reader's stored rows (shuffle buffer + the shard being read)
     "cache_write": (41 * MiB, 0.69),  # one cache shard (stored dtype): encode, checksum, compress
 }
 
@@ -201,7 +201,7 @@ class Setup:
     world: int = 1
     """Data-parallel replicas (a flat all-reduce buffer of the gradients when > 1)."""
     reader_rows: int = 0
-    """Rows the cache reader decodes at once (bcd K > 0): max(rows per shard, batch)."""
+    """Rows of stored cache values the trainer's shuffle buffer holds (bcd K > 0)."""
     val_rows: int = 0
     cache_dtype_bytes: int = 2
     shard_rows: int = 1
@@ -270,8 +270,15 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
     _, act, grads = _sweep(sh, layers, trainable, head_tr, matrix_tr, embed_tr, p)
     ev = 2 * p.batch * p.seq * sh.vocab * 4  # eval: logits + log-softmax, no saved activations
     from_cache = mode == "bcd" and block > 0
-    row = p.seq * sh.hidden * 4  # one sample as the cache reader decodes it (fp32)
-    buf = (p.reader_rows * row, p.val_rows * row) if from_cache else (0, 0)
+    row = p.seq * sh.hidden * p.cache_dtype_bytes  # one sample as the cache stores it
+    # train: the shuffle buffer + the shard being read into it; val (in order): one shard
+    # buffered + the shard being read; each batch decoded to fp32 (b rows)
+    dec = 2 * p.batch * p.seq * sh.hidden * 4
+    buf = (
+        ((p.reader_rows + p.shard_rows) * row + dec, 2 * p.val_rows * row + dec)
+        if from_cache
+        else (0, 0)
+    )
     tok = 0 if from_cache else p.token_rows * (p.seq + 1) * 4
     alloc, reader, val = 1.0, 0.0, 0.0
     if cpu:  # on a GPU machine these buffers are host RAM
@@ -409,11 +416,17 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
     rps = rows_per_shard(S, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
     n_tr = None if n_train is None else max(1, round(n_train * cfg.preinfer.sample_fraction))
     tr_rows = rps if n_tr is None else min(rps, n_tr)
+    # the trainer's shuffle buffer (storage.reader.buffer_rows): train.shuffle_buffer_mb of
+    # stored rows, at least one shard, at most the rank's rows (N unknown: the full budget)
+    row_stored = S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize
+    buf_rows = max(int(cfg.train.shuffle_buffer_mb * MiB // row_stored), rps)
+    if n_tr is not None:
+        buf_rows = min(buf_rows, math.ceil(n_tr / cards))
     val_rows = rps if n_val is None else min(rps, n_val)
     opt = optimizer or cfg.train.optimizer
     return Setup(precision=precision, optimizer=opt, momentum=cfg.train.momentum != 0,
                  batch=b, seq=S, target=target, act_recompute=act_recompute, world=cards,
-                 reader_rows=max(tr_rows, b), val_rows=max(val_rows, min(B, n_val or B)),
+                 reader_rows=max(buf_rows, b), val_rows=max(val_rows, min(B, n_val or B)),
                  cache_dtype_bytes=stored_dtype(cfg.cache.dtype).itemsize, shard_rows=tr_rows,
                  token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
                  micro_batch=cfg.preinfer.micro_batch)  # fmt: skip

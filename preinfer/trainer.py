@@ -59,6 +59,8 @@ class TrainConfig:
     """Save a resumable mid-block state every this many steps (0 = off)."""
     seed: int = 0
     """Seed of data order and dropout."""
+    shuffle_buffer_mb: float = 64.0
+    """Host MB of stored cache rows a rank shuffles together (bcd K > 0); the whole split if it fits."""
 
     def __post_init__(self):
         for name in ("rounds", "max_steps", "batch_size"):
@@ -76,6 +78,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.shuffle_buffer_mb <= 0:
+            raise ConfigError(f"train.shuffle_buffer_mb must be > 0, got {self.shuffle_buffer_mb}")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0, got {self.grad_clip}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -137,8 +141,11 @@ class TokenBatches:
             order = self.rows[np.random.default_rng([self.seed, e]).permutation(len(self.rows))]
         for s in range(self.steps_per_epoch):
             glob = order[s * self.batch_size : (s + 1) * self.batch_size]
-            mine = np.sort(glob[self.rank :: self.world])  # (b/world,) this rank's rows
-            yield split_sample(self.store.read_indices(self.split, mine))
+            mine = glob[self.rank :: self.world]  # (b/world,) this rank's rows, as drawn
+            srt = np.argsort(mine, kind="stable")  # the store reads ascending rows
+            rows = np.empty((len(mine), self.store.seq_len + 1), np.int32)
+            rows[srt] = self.store.read_indices(self.split, mine[srt])
+            yield split_sample(rows)
 
 
 class CacheBatches:
@@ -154,6 +161,7 @@ class CacheBatches:
         world: int = 1,
         shuffle: bool = True,
         dtype: torch.dtype = torch.float32,
+        buffer_mb: float = 64.0,
     ):
         n = cache.num_samples
         if n < batch_size:
@@ -163,6 +171,7 @@ class CacheBatches:
             )
         self.cache, self.batch_size, self.seed = cache, batch_size, seed
         self.rank, self.world, self.shuffle, self.dtype = rank, world, shuffle, dtype
+        self.buffer_mb = buffer_mb  # the shuffle buffer, see storage.reader.CacheDataset
         self.steps_per_epoch = n // batch_size
 
     def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,6 +185,7 @@ class CacheBatches:
             rank=self.rank,
             world_size=self.world,
             dtype=self.dtype,
+            buffer_mb=self.buffer_mb,
             drop_last=True,
         )
         ds.set_epoch(e)

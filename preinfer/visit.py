@@ -164,7 +164,9 @@ class Visit:
                 root, spec.cache_train, expected_fingerprint=spec.cache_train
             )
             self.val_cache = open_cache(root, spec.cache_val, expected_fingerprint=spec.cache_val)
-            self.batches = CacheBatches(self.train_cache, **kw)
+            self.batches = CacheBatches(
+                self.train_cache, buffer_mb=cfg.train.shuffle_buffer_mb, **kw
+            )
         else:
             self.store = TokenStore(cfg.data.out_dir)
             self.batches = TokenBatches(self.store, "train", **kw)

@@ -365,6 +365,9 @@ def rank_pieces(n: int, order: list[tuple[int, int]], begin: int, end: int):
     return out
 
 
+DEFAULT_BUFFER_MB = 64.0
+
+
 class CacheDataset(torch.utils.data.IterableDataset):
     """Batches (hidden [B, S, H] in `dtype`, labels [B, S] long) from a Cache, DDP-aware.
 
@@ -374,8 +377,18 @@ class CacheDataset(torch.utils.data.IterableDataset):
       drop_last=False: L = ceil(N / world_size); the stream wraps to its start to pad, so up
                        to world_size-1 rows repeat; the last batch may be short.
     Every rank therefore yields the same number of batches (len(self)). Within a rank, the
-    batches are split contiguously between DataLoader workers; rows are shuffled through a
-    `buffer_size`-row buffer (default: one shard) with a (seed, epoch, rank, worker) seed.
+    batches are split contiguously between DataLoader workers.
+
+    Shuffling: rows fill a buffer of `buffer_mb` MB of *stored* values (bf16 stays 2 bytes a
+    value; only each batch is decoded to `dtype`), at least one shard and one batch, at most
+    the rank's rows. When it is full it is permuted with a (seed, epoch, rank, worker) seed
+    and emptied batch by batch, so a batch mixes rows of every shard the buffer holds (the
+    whole split when it fits: a global shuffle). Pre-inference writes train caches in a
+    seeded random row order, so even one shard mixes the whole corpus; a cache in document
+    order read through a one-shard buffer gives batches of neighbouring documents, which
+    train measurably worse (docs/quality.md, 'Cache batch order'). `buffer_size` (rows)
+    overrides `buffer_mb`;
+    without shuffle the buffer is one shard (the order does not depend on it).
     Call set_epoch before iterating; DataLoader workers copy the dataset when they start, so
     use persistent_workers=False (the default) or the epoch will not reach them.
     """
@@ -390,14 +403,16 @@ class CacheDataset(torch.utils.data.IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         buffer_size: int | None = None,
+        buffer_mb: float = DEFAULT_BUFFER_MB,
         dtype=torch.float32,
         drop_last: bool = False,
     ):
         if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
             raise CacheError(f"bad batch_size/rank/world_size {batch_size}/{rank}/{world_size}")
+        if buffer_size is not None and buffer_size <= 0 or buffer_mb <= 0:
+            raise CacheError(f"bad shuffle buffer: {buffer_size} rows / {buffer_mb} MB")
         self.cache, self.batch_size, self.shuffle, self.seed = cache, batch_size, shuffle, seed
         self.rank, self.world_size, self.dtype, self.drop_last = rank, world_size, dtype, drop_last
-        self.buffer_size = max(buffer_size or cache.rows_per_shard, batch_size)
         self.epoch = 0
         n = cache.num_samples
         self.rows_per_rank = n // world_size if drop_last else math.ceil(n / world_size)
@@ -411,6 +426,9 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 f"{n} samples cannot make one batch of {batch_size} on each of {world_size} "
                 "ranks with drop_last=True; lower batch_size or set drop_last=False"
             )
+        self.buffer_size = buffer_rows(
+            cache, batch_size, self.rows_per_rank, buffer_size, buffer_mb
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -434,33 +452,68 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        rng = torch.Generator().manual_seed(
-            int(
-                np.random.SeedSequence([self.seed, self.epoch, self.rank, wid]).generate_state(1)[0]
-            )
-        )
-        hid, lab, held = [], [], 0
-        for a, b in self.plan(wid, nw):
-            for s in range(a, b, self.buffer_size):  # pieces of at most one buffer
-                h, lbl, _ = self.cache.read_rows(s, min(b, s + self.buffer_size), self.dtype)
-                hid.append(h)
-                lab.append(lbl)
-                held += len(h)
-                if held >= self.buffer_size:
-                    hid, lab, held = yield from self._flush(hid, lab, rng, final=False)
+        seed = np.random.SeedSequence([self.seed, self.epoch, self.rank, wid]).generate_state(1)
+        rng = torch.Generator().manual_seed(int(seed[0]))
+        plan = self.plan(wid, nw)
+        c, rps = self.cache, self.cache.rows_per_shard
+        cap = min(self.buffer_size, max(1, sum(b - a for a, b in plan)))  # this worker's rows
+        buf: list | None = None  # [values (cap, S, H) stored dtype, scale (cap, S) | None]
+        labels = torch.empty((cap, c.seq_len), dtype=torch.long)  # (cap, S) paired with buf
+        held = 0
+        for a, b in plan:
+            s = a
+            while s < b:  # pieces within one shard and the buffer's free rows
+                e = min(b, (s // rps + 1) * rps, s + cap - held)
+                v, sc = c.read_stored(s, e)
+                if buf is None:
+                    buf = [np.empty((cap, *v.shape[1:]), v.dtype), None]
+                    if sc is not None:
+                        buf[1] = np.empty((cap, *sc.shape[1:]), sc.dtype)
+                buf[0][held : held + e - s] = v
+                if sc is not None:
+                    buf[1][held : held + e - s] = sc
+                labels[held : held + e - s] = c.read_labels(s, e)[0]
+                del v, sc
+                held, s = held + e - s, e
+                if held == cap:
+                    held = yield from self._flush(buf, labels, held, rng, final=False)
         if held:
-            yield from self._flush(hid, lab, rng, final=True)
+            yield from self._flush(buf, labels, held, rng, final=True)
 
-    def _flush(self, hid, lab, rng, *, final: bool):
-        h, lbl = torch.cat(hid), torch.cat(lab)
-        if self.shuffle:
-            perm = torch.randperm(len(h), generator=rng)
-            h, lbl = h[perm], lbl[perm]
-        full = len(h) if final else len(h) // self.batch_size * self.batch_size
+    def _flush(self, buf, labels, held: int, rng, *, final: bool):
+        """Yield batches of the buffer's first `held` rows; move the remainder to the front."""
+        order = torch.randperm(held, generator=rng) if self.shuffle else torch.arange(held)
+        full = held if final else held // self.batch_size * self.batch_size
         for s in range(0, full, self.batch_size):
-            yield h[s : s + self.batch_size], lbl[s : s + self.batch_size]
-        rest = len(h) - full
-        return ([h[full:]], [lbl[full:]], rest) if rest else ([], [], 0)
+            idx = order[s : s + self.batch_size]
+            if self.shuffle:  # a gather: fresh arrays
+                ix = idx.numpy()
+                v, lbl = buf[0][ix], labels[idx]
+                sc = buf[1][ix] if buf[1] is not None else None
+            else:  # contiguous rows: copies, never views of the buffer (it is refilled)
+                rows = slice(s, s + len(idx))
+                v, lbl = buf[0][rows].copy(), labels[rows].clone()
+                sc = buf[1][rows].copy() if buf[1] is not None else None
+            yield codecs.decode(v, sc, self.cache.dtype, self.dtype), lbl
+        rest = order[full:held]
+        if len(rest):
+            ix = rest.numpy()
+            buf[0][: len(ix)] = buf[0][ix]
+            if buf[1] is not None:
+                buf[1][: len(ix)] = buf[1][ix]
+            labels[: len(ix)] = labels[rest]
+        return len(rest)
+
+
+def buffer_rows(
+    cache: Cache, batch_size: int, rows_per_rank: int, rows: int | None, mb: float
+) -> int:
+    """Rows of a CacheDataset's shuffle buffer: `rows`, else `mb` of stored values, never
+    below one shard (a shard is read whole) or one batch, never above the rank's rows."""
+    if rows is None:
+        row_bytes = cache.seq_len * cache.hidden_size * codecs.stored_dtype(cache.dtype).itemsize
+        rows = max(int(mb * 2**20 // row_bytes), cache.rows_per_shard)
+    return max(batch_size, min(rows, rows_per_rank))
 
 
 # ---------------------------------------------------------------------------- HF datasets

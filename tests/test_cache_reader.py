@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from storage import codecs
-from storage.cache import CacheCorrupt, CacheIncomplete, CacheWriter, FingerprintMismatch
+from storage.cache import (
+    CacheCorrupt,
+    CacheError,
+    CacheIncomplete,
+    CacheWriter,
+    FingerprintMismatch,
+)
 from storage.config import CacheConfig
 from storage.reader import CacheDataset, hf_to_torch, open_cache, rank_pieces, to_hf_dataset
 from storage.tools import verify_cache
@@ -259,3 +265,35 @@ def test_multi_shard_reads_go_straight_into_the_result_and_are_checked(tmp_path)
     shard.write_bytes(bytes(data))
     with pytest.raises(CacheCorrupt, match="shard 2: hidden.zarr cannot be decoded"):
         open_cache(tmp_path, "fp", check_reads=False).read_rows(0, N)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8"])
+def test_shuffle_buffer_mixes_shards_and_keeps_pairs(tmp_path, dtype):
+    """The default buffer holds the whole (small) split: batches mix rows of many shards, as a
+    global shuffle does; a one-shard buffer gives shard-local batches (the old behaviour)."""
+    x = build(tmp_path, dtype=dtype, n=64, rows=8)  # 8 shards
+    c = open_cache(tmp_path, "fp")
+    want = c.read_rows(0, 64, dtype=torch.float32)[0]
+    ds = CacheDataset(c, 8, shuffle=True, seed=2)
+    assert ds.buffer_size == 64
+    batches = list(ds)
+    shards_per_batch = [len({i // 8 for i in b[1][:, 0].tolist()}) for b in batches]
+    assert np.mean(shards_per_batch) > 4  # 8 rows drawn from 8 shards: ~5.3 distinct expected
+    for h, lab in batches:
+        assert h.dtype == torch.float32
+        torch.testing.assert_close(h, want[lab[:, 0]], rtol=0, atol=0)
+    assert sorted(i for b in batches for i in b[1][:, 0].tolist()) == list(range(64))
+    local = CacheDataset(c, 8, shuffle=True, seed=2, buffer_size=8)
+    assert all(len({i // 8 for i in b[1][:, 0].tolist()}) == 1 for b in local)
+    if dtype == "bf16":
+        assert torch.equal(x.float(), want)
+
+
+def test_shuffle_buffer_size_from_megabytes(tmp_path):
+    build(tmp_path, n=64, rows=8)  # bf16 rows of 8 x 16 x 2 = 256 bytes
+    c = open_cache(tmp_path, "fp")
+    assert CacheDataset(c, 4, buffer_mb=16 * 256 / 2**20).buffer_size == 16
+    assert CacheDataset(c, 4, buffer_mb=1 / 2**20).buffer_size == 8  # never below one shard
+    assert CacheDataset(c, 32, buffer_size=3).buffer_size == 32  # never below one batch
+    with pytest.raises(CacheError, match="shuffle buffer"):
+        CacheDataset(c, 4, buffer_mb=0)

@@ -12,6 +12,7 @@ import json
 import logging
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -327,3 +328,38 @@ def s3_run_sets(cfg) -> list[str]:
         f"storage.secret={st.secret}",
         f"storage.region={st.region}",
     ]
+
+
+@pytest.mark.ray
+def test_bcd_rotation_on_s3_drops_old_caches_and_masks_credentials(s3_run):
+    """`preinfer bcd` with tokens, checkpoint and caches on s3: the rotation builds and
+    refreshes there, drops the caches it no longer needs (cache.keep=false), and the run's
+    config.json never holds the storage secret."""
+    import json
+
+    from pipelines.init import run_init
+    from pipelines.report import run_report
+    from pipelines.rotate import run_bcd
+    from pipelines.tokenize import run_tokenize
+
+    cfg = s3_run("cache.shard_mb=0.5", "train.max_steps=2", "train.eval_every=0")
+    run_tokenize(cfg, log=quiet)
+    run_init(cfg, log=quiet)
+    before = [Checkpoint.open(cfg.run.checkpoint).block_hash(b) for b in range(3)]
+    said = []
+    run_bcd(cfg, log=said.append)
+    after = [Checkpoint.open(cfg.run.checkpoint).block_hash(b) for b in range(3)]
+    assert all(a != b for a, b in zip(after, before, strict=True))  # every block trained
+    state = json.loads((Path(cfg.run.dir) / "state.json").read_text())
+    live = set(state["caches_in_use"])
+    on_s3 = {n.split("/", 1)[0] for n in keys(cfg.cache.root)}
+    assert live and on_s3 == live  # boundary 1 was dropped once boundary 2 existed
+    assert any("dropped cache" in m for m in said)
+    sizes = [e["bytes"] for e in state["events"] if "bytes" in e]
+    assert sizes and all(v > 0 for s in sizes for v in s.values())  # sized on s3
+    saved = json.loads((Path(cfg.run.dir) / "config.json").read_text())["storage"]
+    assert saved["secret"] == saved["key"] == "***"
+    assert saved["endpoint_url"] == cfg.storage.endpoint_url
+    report = run_report(cfg, log=quiet)
+    sizes = [i for c in report["caches"] for i in c["sizes"].values() if i]
+    assert any(i.get("total_bytes") for i in sizes)  # manifests still on s3, read there

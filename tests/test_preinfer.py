@@ -26,6 +26,7 @@ def reference(cfg, block, split, dtype):
     fp = {p.split: p.fingerprint for p in plan_caches(cfg, block, create=False)}[split]
     cache = open_cache(cfg.cache.root, fp, expected_fingerprint=fp)
     ids = torch.from_numpy(store.read(split, 0, store.num_samples(split))[:, :-1]).long()
+    ids = ids[cache.read_labels(0, cache.num_samples)[1]]  # (N, S) in cache row order
     out = []
     mb = cfg.preinfer.micro_batch
     with torch.inference_mode():
@@ -124,3 +125,29 @@ def test_sampling_is_deterministic_and_fingerprinted(tiny_run):
     assert p0["val"].fingerprint == p1["val"].fingerprint  # val is never sampled
     full = {p.split: p for p in plan_caches(tiny_run(), 1, 0, create=False)}
     assert full["train"].fingerprint != p0["train"].fingerprint
+
+
+def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
+    """Train caches mix the corpus in every shard (val stays in token order); the order is
+    part of the fingerprint and shared by every boundary of a round."""
+    cfg = tiny_run()
+    build_cache(cfg, 1, log=quiet)
+    build_cache(cfg, 2, log=quiet)
+    store = TokenStore(cfg.data.out_dir)
+    fps = {b: {p.split: p.fingerprint for p in plan_caches(cfg, b, create=False)} for b in (1, 2)}
+    ids = {}
+    for b in (1, 2):
+        for split in ("train", "val"):
+            c = open_cache(cfg.cache.root, fps[b][split])
+            labels, sids = c.read_labels(0, c.num_samples)
+            ids[b, split] = sids.numpy()
+            rows = store.read_indices(split, np.sort(sids.numpy()))
+            want = torch.from_numpy(rows[np.argsort(np.argsort(sids.numpy())), 1:]).long()
+            assert torch.equal(labels, want)  # each row's labels are its sample's
+    n = store.num_samples("train")
+    assert sorted(ids[1, "train"]) == list(range(n))
+    assert not np.array_equal(ids[1, "train"], np.arange(n))  # shuffled ...
+    assert np.array_equal(ids[1, "train"], ids[2, "train"])  # ... the same at every boundary
+    assert np.array_equal(ids[1, "val"], np.arange(store.num_samples("val")))
+    other = {p.split: p.fingerprint for p in plan_caches(tiny_run("train.seed=5"), 1, create=False)}
+    assert other["train"] != fps[1]["train"] and other["val"] == fps[1]["val"]

@@ -1,5 +1,6 @@
 """Block trainer: exactness of training from the cache, frozen blocks, tied weights."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from pipelines.preinfer import build_cache
+from preinfer import visit
 from preinfer.checkpoint import Checkpoint
 from preinfer.confload import ConfigError
 from preinfer.visit import Visit, VisitSpec
@@ -32,7 +34,9 @@ def one_step(cfg, block, mode, fps=None):
 
 @pytest.mark.ray
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_step_from_cache_equals_step_with_prefix_recomputed(tiny_run, tmp_path, optimizer):
+def test_step_from_cache_equals_step_with_prefix_recomputed(
+    tiny_run, tmp_path, optimizer, monkeypatch
+):
     over = [
         "train.max_steps=1",
         "train.eval_every=0",
@@ -52,6 +56,12 @@ def test_step_from_cache_equals_step_with_prefix_recomputed(tiny_run, tmp_path, 
     recompute = tiny_run(*over, f"run.dir={other_dir}")
     # the copy's checkpoint already holds the cached step's result: restore block 1 first
     Checkpoint.open(recompute.run.checkpoint).commit_block(1, before)
+    # the same samples: the train cache stores its rows in a shuffled order
+    from storage.reader import open_cache
+
+    c = open_cache(cached.cache.root, fps["train"])
+    ids = c.read_labels(0, c.num_samples)[1].numpy()
+    monkeypatch.setattr(visit, "TokenBatches", functools.partial(visit.TokenBatches, indices=ids))
     one_step(recompute, 1, "bcd-recompute")
     after_recompute = block_tensors(recompute, 1)
     changed = 0
@@ -103,3 +113,21 @@ def test_bcd_without_cache_is_a_clear_error(tiny_run):
         run_train(tiny_run(), 1, log=quiet)
     with pytest.raises(ValueError, match="out of range"):
         one_step(tiny_run(), 3, "bcd-recompute")
+
+
+def test_train_warns_before_starting_when_the_estimate_exceeds_the_device(tiny_run, monkeypatch):
+    import types
+
+    import psutil
+
+    from pipelines.train import run_train
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=1))
+    said = []
+    cfg = tiny_run("train.workers=0", "train.max_steps=1", "train.eval_every=0")
+    run_train(cfg, 0, log=said.append)
+    warned = [m for m in said if "exceeds" in m]
+    assert len(warned) == 1 and "bcd block 0" in warned[0] and "partition.num_blocks" in warned[0]
+    said.clear()
+    run_train(cfg, 0, log=said.append, memory_check=False)
+    assert not [m for m in said if "exceeds" in m]
