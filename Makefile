@@ -8,7 +8,7 @@ SETARGS := $(foreach s,$(SET),--set $(s))
 CLI     := $(PY) -m preinfer.cli
 PYTEST_WORKERS ?=
 
-.PHONY: setup test test-slow lint format demo tokenize init preinfer refresh train bcd eval plan report study bench clean
+.PHONY: setup test test-slow test-cluster lint format demo tokenize init preinfer refresh train bcd eval plan report study bench clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not cluster"
-	$(PY) -m pytest -q -m cluster  # own process: `ray stop` ends every Ray on the machine
+	$(MAKE) test-cluster
+
+test-cluster: $(STAMP)  # real `ray start` clusters on 127.0.0.1, torn down by pid
+	$(PY) -m pytest -q -m cluster
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -348,6 +348,21 @@ def run(
         shutil.rmtree(tmp, ignore_errors=True)
     res["repeats"] = repeats
     res["load_after"] = os.getloadavg()
+    head = {}
+    for r in res["io"]:
+        tag = f"{r['shard_mb']:g} MiB shards{'' if r['fsync'] else ', no fsync'}"
+        head[f"read ratio ({tag})"] = r["read_ratio"]
+        head[f"write ratio ({tag}, target >= 0.7)"] = r["write_ratio"]
+    d = CacheConfig()  # the lossless default
+    for src in res["sources"]:
+        for r in src["codecs"]:
+            if (r["dtype"], r["codec"], r["shuffle"], r["level"]) == (
+                "bf16", d.codec, d.shuffle, d.level
+            ):  # fmt: skip
+                head[f"default codec vs raw bf16, {src['name']} (target >= 1.3)"] = r[
+                    "ratio_vs_bf16"
+                ]
+    res["headline"] = head
     return res
 
 

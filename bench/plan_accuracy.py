@@ -1,8 +1,8 @@
 """Planner accuracy: measured peak memory of the real trainer and pre-inference worker on CPU
-against preinfer.plan's estimate, as a markdown table.
+against preinfer.memory's estimate, as a markdown table.
 
     python bench/plan_accuracy.py [--configs demo gpt2-small] [--json out.json]
-    python bench/plan_accuracy.py --calibrate   # prints the CPU constants of preinfer.plan
+    python bench/plan_accuracy.py --calibrate   # prints the CPU constants of preinfer.memory
 
 Each arm runs in a fresh subprocess: it imports everything first (including what torch and
 transformers import lazily on first use: torch._dynamo, pulled in by the first optimizer step,
@@ -157,7 +157,7 @@ def measure(name: str, work: Path) -> list[dict]:
     """Set up one config under `work`, run its arms, return rows with estimate and measurement."""
     from pipelines.init import run_init
     from pipelines.preinfer import _finish, plan_caches
-    from preinfer import plan
+    from preinfer import memory as plan
     from preinfer.checkpoint import Checkpoint
     from preinfer.config import load_config
 
@@ -251,13 +251,13 @@ def _line(xs, ys) -> tuple[float, float]:
 
 
 def suggest(rows: list[dict]) -> str:
-    """The constants of preinfer.plan these measurements imply (paste them in by hand):
+    """The constants of preinfer.memory these measurements imply (paste them in by hand):
     RUNTIME from the minimal model; then, on llama-small at two shard sizes, CPU_ALLOC from the
     token-fed trainer arms, HOST_IO cache_read from the cache-fed ones, and CPU_INFER and
     HOST_IO cache_write from the compute and encode phases of the pre-inference builds."""
     from statistics import mean
 
-    from preinfer.plan import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
+    from preinfer.memory import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
 
     def path(r):
         if "pre-inference" in r["arm"]:
@@ -337,7 +337,13 @@ def main(argv=None) -> dict | None:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return {"rows": rows}
+    errs = [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
+    headline = {
+        "arms": len(rows),
+        "within 15%": sum(abs(e) <= 0.15 for e in errs),
+        "worst error": max(errs, key=abs) if errs else None,
+    }
+    return {"headline": headline, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -124,8 +124,17 @@ def run(args) -> dict:
             "ideal_bare": ideal,
             "one_over_k": 1 / k,
         }
+    b2, b1 = rows[f"build K={K}, 2 actor(s)"], rows[f"build K={K}, 1 actor(s)"]
+    headline = {
+        "tokens": ntok,
+        "build (2 actors) / bare forward (target >= 0.85)": bare / b2,
+        "2 actors / 1 actor speed": b1 / b2,
+        **{f"refresh/build K={k} (ideal {r['ideal_bare']:.2f})": r["refresh_over_build"]
+           for k, r in refresh.items()},
+    }  # fmt: skip
     return {
         "bench": "preinfer_throughput",
+        "headline": headline,
         "tokens": ntok,
         "dtype": args.dtype,
         "threads": threads,
@@ -173,7 +182,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--work", default="/tmp/preinfer-bench-throughput")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="200 documents (make bench)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.documents = min(args.documents, 200)
     res = run(args)
     print(table(res))
     if args.out:

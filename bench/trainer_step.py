@@ -254,8 +254,16 @@ def run(args) -> dict:
                 "mem_bcd_over_full": mem["bcd"] / mem["full"],
             }
         )
+    last = rows[-1]
+    headline = {
+        "last block: cached vs recompute speed-up": last["speedup_cached_vs_recompute"],
+        "last block: ideal speed-up": last["ideal_ratio"],
+        "last block: of ideal (target >= 0.9)": last["speedup_over_ideal"],
+        "last block: bcd / full memory (target <= 0.5)": last["mem_bcd_over_full"],
+    }
     return {
         "bench": "trainer_step",
+        "headline": headline,
         "config": args.config,
         "device": str(device),
         "memory": "peak RSS growth (VmHWM, reset) over the warmed-up RSS before loading (CPU)"

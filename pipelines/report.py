@@ -99,7 +99,9 @@ def _read_json(path: Path) -> dict | None:
 
 def _cache_info(root: Path, fp: str | None) -> dict | None:
     """Sizes from a cache manifest still on disk, or None (deleted, unfinished, unreadable)."""
-    if not fp:
+    from pipelines.cache_cli import FP_RE
+
+    if not fp or not FP_RE.fullmatch(str(fp)):  # a hand-edited state.json never leaves the root
         return None
     m = _read_json(root / fp / "manifest.json")
     if not isinstance(m, dict):

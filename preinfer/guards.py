@@ -4,7 +4,7 @@
     check_disk_for_cache(cfg)          # `bcd`: the rotation's peak (two boundaries, or M-1 kept)
     warn_trainer_memory(cfg)           # `bcd`/`train`: a warning when the estimate exceeds the device
 
-Sizes are estimates (preinfer.plan's arithmetic): the cache's uncompressed upper bound
+Sizes are estimates (preinfer.memory.s arithmetic): the cache's uncompressed upper bound
 (storage.cache.estimate_cache_bytes) divided by the codec's compression ratio as measured on a
 complete cache of the same dtype/codec under cache.root, when there is one. `free_bytes` and
 `device_bytes` are injectable for tests.
@@ -79,7 +79,7 @@ def _dims(cfg) -> tuple[int, int, int, int, int] | None:
         ckpt = Checkpoint.open(cfg.run.checkpoint)
         hidden, M = ckpt.hidden_size, ckpt.num_blocks
     except CheckpointError:
-        from preinfer.plan import model_shape
+        from preinfer.memory import model_shape
 
         hidden, M = model_shape(cfg.model).hidden, cfg.partition.num_blocks
     return hidden, store.seq_len, store.num_samples("train"), store.num_samples("val"), M
@@ -147,13 +147,13 @@ def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = Non
                         device_bytes: int | None = None, log=None) -> dict:  # fmt: skip
     """Warn (never refuse) when the estimated trainer peak exceeds the device's memory: the
     worst block of the rotation (or `block`) for the bcd modes, the whole model for full.
-    Returns that worst estimate (preinfer.plan.trainer_memory's dict + device_bytes)."""
+    Returns that worst estimate (preinfer.memory.trainer_memory's dict + device_bytes)."""
     import warnings
 
     from preinfer.checkpoint import Checkpoint, CheckpointError
     from preinfer.device import resolve_device
+    from preinfer.memory import GiB, model_shape, setup_for, trainer_memory
     from preinfer.partition import partition_layers
-    from preinfer.plan import GiB, model_shape, setup_for, trainer_memory
 
     mode = mode or cfg.train.mode
     device = resolve_device(cfg.run.device)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from preinfer import plan
+from preinfer import memory, plan
 from preinfer.config import load_config
 from preinfer.confload import ConfigError
 from preinfer.guards import DiskSpaceError, check_disk_for_cache, warn_trainer_memory
@@ -59,7 +59,7 @@ def test_layer_activation_count_matches_autograd(arch, trainable):
     h = torch.randn(B, S, cfg.hidden_size, requires_grad=True)
     ctx = ad.context(h)
     got = _saved_bytes(model, lambda: ad.layer(0, h, ctx))
-    want = plan.layer_act(plan.model_shape(cfg), trainable) * B * S * 4
+    want = memory.layer_act(memory.model_shape(cfg), trainable) * B * S * 4
     assert got == pytest.approx(want, rel=0.06), (got, want)
 
 
@@ -95,22 +95,22 @@ def test_plan_configs_load_and_say_plan_only():
 
 def test_breakdown_follows_what_each_stage_loads(tmp_path):
     cfg = load_config(ROOT / "configs" / "plan-g7b.yaml", [f"run.dir={tmp_path}"])
-    sh = plan.model_shape(cfg.model)
+    sh = memory.model_shape(cfg.model)
     part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
-    p = plan.setup_for(cfg, sh, target="gpu")
-    full = plan.trainer_memory(sh, part, "full", 0, p)
-    rows = [plan.trainer_memory(sh, part, "bcd", k, p) for k in range(3)]
+    p = memory.setup_for(cfg, sh, target="gpu")
+    full = memory.trainer_memory(sh, part, "full", 0, p)
+    rows = [memory.trainer_memory(sh, part, "bcd", k, p) for k in range(3)]
     assert full["active_params"] == sh.params
     assert rows[0]["loaded_params"] == sh.params  # block 0 runs through every block
     assert rows[2]["loaded_params"] == part.block_params[2] + sh.head_matrix  # + the tied head
     assert all(r["peak"] < full["peak"] for r in rows)
     assert [r["active_params"] for r in rows] == part.block_params
-    adam, sgd = (plan.setup_for(cfg, sh, target="gpu", optimizer=o) for o in ("adam", "sgd"))
-    static = [plan.trainer_memory(sh, part, "bcd", 1, q)["basis"]["static"] for q in (adam, sgd)]
+    adam, sgd = (memory.setup_for(cfg, sh, target="gpu", optimizer=o) for o in ("adam", "sgd"))
+    static = [memory.trainer_memory(sh, part, "bcd", 1, q)["basis"]["static"] for q in (adam, sgd)]
     assert static[0] - static[1] == 4 * part.block_params[1]  # two fp32 moments vs momentum
-    big = plan.setup_for(cfg, sh, target="gpu", batch=4)
-    lean = plan.setup_for(cfg, sh, target="gpu", batch=4, act_recompute=True)
-    peak = lambda q: plan.trainer_memory(sh, part, "bcd", 0, q)["peak"]  # noqa: E731
+    big = memory.setup_for(cfg, sh, target="gpu", batch=4)
+    lean = memory.setup_for(cfg, sh, target="gpu", batch=4, act_recompute=True)
+    peak = lambda q: memory.trainer_memory(sh, part, "bcd", 0, q)["peak"]  # noqa: E731
     assert peak(p) < peak(big) and peak(lean) < peak(big)
 
 

@@ -17,7 +17,7 @@ M, ROUNDS, STEPS = 3, 2, 6
 
 
 def _fp(r: int, b: int, split: str) -> str:
-    return f"{split[0]}{r}{b}" + "ab" * 30
+    return {"train": "a", "val": "b"}[split] + f"{r}{b}" + "cd" * 30  # hex, like real ones
 
 
 def _write_synthetic_run(run: Path) -> dict:
@@ -249,3 +249,15 @@ def test_report_real_tiny_run(tiny_run):
     assert [c["action"] for c in res["caches"]] == ["built", "refreshed"]
     # boundary 2's caches are still in use, so their sizes are in the summary
     assert "B/value" in _section(md, "Caches")
+
+
+def test_cache_sizes_never_read_outside_the_cache_root(tmp_path):
+    from pipelines.report import _cache_info
+
+    root = tmp_path / "cache"
+    (root / "ab12cd34").mkdir(parents=True)
+    (root / "ab12cd34" / "manifest.json").write_text('{"num_samples": 3}')
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "manifest.json").write_text('{"num_samples": 9}')
+    assert _cache_info(root, "ab12cd34") == {"num_samples": 3}
+    assert _cache_info(root, "../outside") is None  # e.g. a hand-edited state.json

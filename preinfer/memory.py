@@ -1,0 +1,433 @@
+"""Memory arithmetic of `preinfer plan`: per-card peaks of the trainer and the pre-inference worker.
+
+Pure arithmetic over the model's shapes (read off a meta-device build: no weight memory, so
+7B/20B configs are fine) and the config. Memory is per card, the peak over the phases of one
+visit, each phase a sum of what is alive then:
+
+  trainer   backward  weights of the loaded blocks + optimizer state + saved activations,
+                      swept from the loss down as activations turn into gradients (the loss
+                      peak holds four logit-sized fp32 tensors: logits, log-softmax, 2 grads)
+            step      + all gradients of the active block + the optimizer's temporaries
+            eval      + the eval forward (bcd K > 0 on CPU: + the val cache reader)
+            load      (CPU) + the checkpoint hash's copy of the largest tensor
+  pre-inf.  prefix weights in the cache dtype + one micro-batch's inference working set;
+            on CPU also one shard of outputs (list + concatenation) and its encode
+
+Derived (arithmetic): weights, gradients, optimizer state, saved activations — per-layer
+element counts of what autograd keeps for the HF layer implementations with a fused SDPA kernel
+(no S x S matrix), checked against `saved_tensors_hooks` in tests/test_plan.py. Measured
+(CPU only, see the constants below): fixed runtime overhead and the host-side I/O and
+allocator factors. Assumed (GPU): the CUDA context reserve; no GPU was available to validate.
+FLOPs per step (for the cost estimate in preinfer.plan) live here too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GiB, MiB = 2**30, 2**20
+
+
+@dataclass(frozen=True)
+class Precision:
+    weight: int  # bytes per loaded weight
+    grad: int  # bytes per gradient element (active parameters)
+    master: int  # fp32 master copy per active parameter (pure bf16 training only)
+    act: int  # bytes per saved activation element
+    cast: int  # bf16 weight copies autocast saves for backward, per suffix matmul weight
+    logit: int  # bytes per logit held at the loss peak (4 copies in fp32, see _sweep)
+    keep: int  # bytes per logit the train step keeps alive through backward (logits + grad)
+
+
+PRECISIONS = {
+    "fp32": Precision(4, 4, 0, 4, 0, 16, 8),
+    # torch.autocast(bf16): fp32 params/grads/optimizer, bf16 matmul outputs; the loss is fp32
+    "amp-bf16": Precision(4, 4, 0, 2, 2, 14, 6),
+    # what-if, not what preinfer's trainer does: bf16 params/grads + fp32 master of the active block
+    "bf16": Precision(2, 2, 4, 2, 0, 14, 6),
+}
+# Optimizer state bytes per active parameter, and update temporaries (x largest tensor on CPU's
+# per-tensor loop, x all active params on GPU's foreach path): adam adds the weight-decay copy.
+OPT_STATE = {"sgd": 4, "adam": 8, "adamw": 8}
+OPT_TEMP = {"cpu": {"sgd": 1, "adam": 3, "adamw": 2}, "gpu": {"sgd": 1, "adam": 1, "adamw": 1}}
+# CPU-only constants, measured (not derived) by `bench/plan_accuracy.py --calibrate` on a minimal
+# model and on configs/llama-small.yaml at two shard sizes, never on the configs the bench
+# validates (demo, gpt2-small). Re-measure when storage/ or the libraries change.
+# RUNTIME: fixed peak-RSS growth of each code path. CPU_ALLOC: RSS per live byte of activations
+# (glibc keeps the forward's freed temporaries in its heap). CPU_INFER: the same for the bf16
+# inference working set. HOST_IO: (fixed bytes, RSS per byte) of the data a reader or writer
+# holds: decode, copies, and the codec threads' malloc arenas. On a GPU machine those buffers
+# are host RAM, not card memory; the GPU runtime row (CUDA context + cuBLAS workspace) is an
+# assumption, not measured here.
+RUNTIME = {
+    ("cpu", "trainer"): 59 * MiB,
+    ("cpu", "trainer-cache"): 55 * MiB,
+    ("cpu", "preinfer"): 52 * MiB,
+    ("gpu", "trainer"): 768 * MiB,
+    ("gpu", "trainer-cache"): 768 * MiB,
+    ("gpu", "preinfer"): 768 * MiB,
+}
+CPU_ALLOC = 1.28
+CPU_INFER = 1.49
+HOST_IO = {
+    "token_read": (0, 6.5),  # one token-store shard (data.shard_rows x (S+1) int32), Parquet
+    # the reader's stored rows (shuffle buffer + the shard being read): 1.0 by hand — the
+    # --calibrate fit after the stored-dtype buffer (2026-11-29) gave (29 MiB, -0.09), not physical
+    "cache_read": (0, 1.0),
+    "cache_write": (41 * MiB, 0.69),  # one cache shard (stored dtype): encode, checksum, compress
+}
+
+
+def host_io(kind: str, nbytes: float) -> float:
+    """Peak-RSS bytes of a host-side reader/writer holding `nbytes` (0 when it holds none)."""
+    fixed, per = HOST_IO[kind]
+    return fixed + per * nbytes if nbytes else 0.0
+
+
+# name: (memory GiB, dense peak TFLOPS fp32, bf16 tensor, USD per GPU-hour or None).
+# Prices: the paper's rental figures (sec. 4.3.1); peaks: vendor datasheets (no sparsity).
+CARDS = {
+    "rtx4090": (24, 82.6, 165.2, 0.29),
+    "a100-80": (80, 19.5, 312.0, 1.20),
+    "a800-80": (80, 19.5, 312.0, 0.69),
+    "h100-80": (80, 67.0, 989.0, None),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimates need of a model, read off its meta-device build."""
+
+    arch: str
+    hidden: int
+    vocab: int
+    heads: int
+    kv_dim: int  # key/value width (GQA: kv_heads * head_dim)
+    inter: int  # MLP width
+    embed: int  # parameters owned by the embedding
+    layers: tuple[int, ...]  # parameters per layer
+    head: int  # parameters owned by the head (tied matrix excluded)
+    head_matrix: int  # elements of the LM-head matrix (V x H), owned or tied
+    tied: bool
+    max_tensor: int  # largest single tensor (elements)
+    max_layer_tensor: int  # largest tensor inside a layer
+
+    @property
+    def params(self) -> int:
+        return self.embed + sum(self.layers) + self.head
+
+
+def model_shape(model_cfg) -> ModelShape:
+    """Shapes of `model_cfg` from a meta-device build (no weight memory, any size)."""
+    from preinfer.adapters import get_adapter
+    from preinfer.modeling import build_model, default_intermediate
+
+    model = build_model(model_cfg, device="meta")
+    ad = get_adapter(model, model_cfg.arch)
+    embed, layers, head = ad.part_params()
+    hf = getattr(model, "config", None)
+    if hf is None:  # arch sequential
+        H, heads, inter = (
+            model_cfg.hidden_size,
+            model_cfg.num_heads,
+            default_intermediate(model_cfg),
+        )
+        kv = H
+    else:
+        H, heads = hf.hidden_size, hf.num_attention_heads
+        inter = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * H
+        kv = (getattr(hf, "num_key_value_heads", None) or heads) * (H // heads)
+    t, tied = ad.tensors(), ad.tied()
+    matrix = max(
+        (v.numel() for n, v in t.items() if ad.part_of(n)[0] == "head" and v.ndim == 2), default=0
+    )
+    return ModelShape(arch=model_cfg.arch, hidden=H, vocab=ad.vocab_size, heads=heads,
+                      kv_dim=kv, inter=inter, embed=embed, layers=tuple(layers), head=head,
+                      head_matrix=matrix, tied=bool(tied),
+                      max_tensor=max(v.numel() for v in t.values()),
+                      max_layer_tensor=max(t[n].numel() for n in ad.part_names()["layers"][0]))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- activations
+
+
+def layer_act(sh: ModelShape, trainable: bool) -> int:
+    """Activation elements autograd saves per token for one layer. Trainable layers also keep
+    every matmul input (for weight gradients); frozen ones only what input gradients need."""
+    H, F, KV = sh.hidden, sh.inter, sh.kv_dim
+    if sh.arch == "gpt2":  # LN in x2, c_attn in, qkv, sdpa out, LN2 in, c_fc in; gelu_new: 5 x F
+        e = 8 * H + 5 * F if trainable else 6 * H + 4 * F
+    elif sh.arch == "llama":  # RMSNorm x, normed, out (x2); q, k, v, sdpa out; SwiGLU 4 x F
+        e = 8 * H + 2 * KV + 4 * F if trainable else 4 * H + 2 * KV + 3 * F
+    elif sh.arch == "bert":
+        e = 8 * H + 2 * F if trainable else 6 * H + F
+    else:  # sequential residual MLP: LN in, fc1 in, gelu in, fc2 in
+        e = 2 * H + 2 * F if trainable else H + F
+    return e + sh.heads + 4  # + LN statistics and the attention log-sum-exp per head
+
+
+def head_act(sh: ModelShape, norm_trainable: bool, matrix_trainable: bool) -> int:
+    """Elements per token saved by the final norm and LM head (logits counted separately)."""
+    H = sh.hidden
+    if sh.arch == "bert":
+        return 4 * sh.hidden if matrix_trainable else 2 * sh.hidden
+    extra = H if (sh.arch == "llama" and norm_trainable) else 0
+    return H + 2 + extra + (H if matrix_trainable else 0)
+
+
+def infer_act(sh: ModelShape) -> int:
+    """Inference-mode working set per token inside one layer (intermediates freed eagerly)."""
+    return 4 * sh.hidden + 3 * sh.inter
+
+
+# ---------------------------------------------------------------------------- trainer
+
+
+@dataclass(kw_only=True)
+class Setup:
+    """Everything the memory model needs besides the shapes (per card)."""
+
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    momentum: bool = True
+    """SGD keeps a momentum buffer (momentum > 0)."""
+    batch: int = 1
+    """Sequences per card per step."""
+    seq: int = 128
+    target: str = "gpu"
+    """gpu or cpu: decides the fixed overhead and the optimizer's update path."""
+    act_recompute: bool = False
+    """What-if: keep only each layer's input and recompute the layer in backward."""
+    world: int = 1
+    """Data-parallel replicas (a flat all-reduce buffer of the gradients when > 1)."""
+    reader_rows: int = 0
+    """Rows of stored cache values the trainer's shuffle buffer holds (bcd K > 0)."""
+    val_rows: int = 0
+    cache_dtype_bytes: int = 2
+    shard_rows: int = 1
+    """Rows per cache shard the pre-inference worker computes and encodes at once."""
+    token_rows: int = 4096
+    """Rows of the token-store shard the token reader decodes at once (data.shard_rows)."""
+    micro_batch: int = 16
+
+
+def _bytes(p: Setup) -> Precision:
+    return PRECISIONS[p.precision]
+
+
+def _sweep(sh, layers, trainable, head_norm_tr, matrix_tr, embed_tr, p: Setup):
+    """Peak of saved activations + gradients through one forward/backward, and its split.
+
+    Backward walks from the loss down: the loss peak holds every saved activation plus four
+    logit-sized tensors (logits, log-softmax output, and both gradients); then each layer's
+    activations are released as its parameter gradients appear."""
+    pr, T = _bytes(p), p.batch * p.seq
+    TV = T * sh.vocab
+    cast = lambda n: pr.cast * n  # noqa: E731  (autocast's bf16 weight copies, saved for bwd)
+    acts = []
+    for j in layers:
+        a = T * layer_act(sh, trainable[j]) * pr.act + cast(sh.layers[j])
+        acts.append((a, T * sh.hidden * pr.act + cast(sh.layers[j])) if p.act_recompute else (a, a))
+    grads = [pr.grad * sh.layers[j] if trainable[j] else 0 for j in layers]
+    a_head = T * head_act(sh, head_norm_tr, matrix_tr) * pr.act + cast(sh.head_matrix)
+    g_head = pr.grad * ((sh.head if head_norm_tr else 0) + (sh.head_matrix if matrix_tr else 0))
+    stored = sum(s for _, s in acts)
+    points = [(stored + a_head + TV * pr.logit, stored + a_head + TV * pr.logit, 0)]
+    live_g = g_head
+    ws = T * (2 * sh.hidden + 2 * sh.inter) * pr.act  # gradients flowing through one layer
+    for i in range(len(layers) - 1, -1, -1):
+        full, kept = acts[i]
+        below = sum(s for _, s in acts[:i])
+        live_g += grads[i]
+        act = below + full + ws + TV * pr.keep
+        points.append((act + live_g, act, live_g))
+    if embed_tr:  # the embedding gradient (+ a dense V x H scatter buffer when tied)
+        e = pr.grad * (sh.embed - (sh.head_matrix if sh.tied else 0))
+        extra = pr.grad * sh.head_matrix if sh.tied else 0
+        points.append((live_g + e + extra + TV * pr.keep, TV * pr.keep, live_g + e + extra))
+    return max(points)
+
+
+def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dict:
+    """Peak bytes per card of one visit (mode full or bcd block K), with its breakdown and the
+    raw terms (`basis`) the calibration divides by."""
+    pr, M, cpu = _bytes(p), part.num_blocks, p.target == "cpu"
+    first = 0 if mode == "full" or block == 0 else part.blocks[block][0]
+    # bcd-recompute loads the prefix too and reruns it without grad (nothing saved)
+    loaded_blocks = range(M) if first == 0 or mode == "bcd-recompute" else range(block, M)
+    active = range(M) if mode == "full" else [block]
+    layers = list(range(first, part.num_layers))
+    trainable = {j: part.block_of_layer(j) in active for j in layers}
+    embed_tr, head_tr = 0 in active, (M - 1) in active
+    matrix_tr = (head_tr and not sh.tied) or (sh.tied and embed_tr)
+    n_loaded = sum(part.block_params[b] for b in loaded_blocks)
+    if loaded_blocks[0] > 0 and sh.tied:
+        n_loaded += sh.head_matrix  # the tied matrix, read from block 0's file for the head
+    n_active = sum(part.block_params[b] for b in active)
+    W, G = pr.weight * n_loaded, pr.grad * n_active
+    state = OPT_STATE[p.optimizer] if (p.optimizer != "sgd" or p.momentum) else 0
+    opt = (state + pr.master) * n_active
+    _, act, grads = _sweep(sh, layers, trainable, head_tr, matrix_tr, embed_tr, p)
+    ev = 2 * p.batch * p.seq * sh.vocab * 4  # eval: logits + log-softmax, no saved activations
+    from_cache = mode == "bcd" and block > 0
+    row = p.seq * sh.hidden * p.cache_dtype_bytes  # one sample as the cache stores it
+    # train: the shuffle buffer + the shard being read into it; val (in order): one shard
+    # buffered + the shard being read; each batch decoded to fp32 (b rows)
+    dec = 2 * p.batch * p.seq * sh.hidden * 4
+    buf = (
+        ((p.reader_rows + p.shard_rows) * row + dec, 2 * p.val_rows * row + dec)
+        if from_cache
+        else (0, 0)
+    )
+    tok = 0 if from_cache else p.token_rows * (p.seq + 1) * 4
+    alloc, reader, val = 1.0, 0.0, 0.0
+    if cpu:  # on a GPU machine these buffers are host RAM
+        alloc = CPU_ALLOC
+        reader = host_io("cache_read", buf[0]) + host_io("token_read", tok)
+        val = HOST_IO["cache_read"][1] * buf[1]
+    temp = OPT_TEMP["cpu" if cpu else "gpu"][p.optimizer] * 4 * (sh.max_tensor if cpu else n_active)
+    phases = {
+        "backward": dict(weights=W, optimizer=opt, activations=alloc * act, grads=grads,
+                         reader=reader),
+        "step": dict(weights=W, optimizer=opt + temp, grads=G + (G if p.world > 1 else 0),
+                     reader=reader),
+        "eval": dict(weights=W, optimizer=opt, grads=G, reader=reader + val,
+                     activations=alloc * ev),
+    }  # fmt: skip
+    if cpu:  # the checkpoint hash copies each tensor's bytes once
+        phases["load"] = dict(weights=W + 4 * sh.max_tensor)
+    name, comp = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    comp = {k: comp.get(k, 0) for k in ("weights", "grads", "optimizer", "activations", "reader")}
+    comp["runtime"] = RUNTIME[
+        ("cpu" if cpu else "gpu", "trainer-cache" if from_cache else "trainer")
+    ]
+    basis = {"static": W + opt, "act": act, "grads": grads, "cache_buffer": buf[0],
+             "val_buffer": buf[1], "token_shard": tok}  # fmt: skip
+    return {"stage": "full" if mode == "full" else f"{mode} block {block}", "mode": mode,
+            "block": block, "phase": name, "peak": sum(comp.values()), "components": comp,
+            "loaded_params": n_loaded, "active_params": n_active,
+            "loaded_blocks": list(loaded_blocks), "basis": basis}  # fmt: skip
+
+
+def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool = False) -> dict:
+    """Peak bytes of one pre-inference worker producing boundary `block` (build: prefix blocks
+    0..K-1 from tokens; refresh: block K-1 alone from the boundary K-1 cache)."""
+    cpu = p.target == "cpu"
+    blocks = [block - 1] if refresh else list(range(block))
+    n = sum(part.block_params[b] for b in blocks)
+    cb = p.cache_dtype_bytes if p.cache_dtype_bytes in (2, 4) else 4  # int8/fp8: fp32 compute
+    work = p.micro_batch * p.seq * infer_act(sh) * cb
+    shard = p.shard_rows * p.seq * sh.hidden * cb
+    phases = {"compute": dict(weights=cb * n, activations=work)}
+    if cpu:  # outputs (list, then concatenated), the encode and a refresh's source: host RAM
+        src = 2 * shard if refresh else 0  # the source shard: stored bytes + decoded
+        big = sh.max_tensor if 0 in blocks else sh.max_layer_tensor
+        phases = {
+            "load": dict(weights=4 * n + 4 * big),  # fp32 from the file + the hash's byte copy
+            "compute": dict(weights=cb * n, activations=CPU_INFER * work, shard=2 * shard + src),
+            "encode": dict(weights=cb * n, shard=shard + host_io("cache_write", shard) + src),
+        }
+    name, comp = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    comp = {k: comp.get(k, 0) for k in ("weights", "activations", "shard")}
+    comp["runtime"] = RUNTIME[("cpu" if cpu else "gpu", "preinfer")]
+    return {"stage": f"pre-inference {'refresh' if refresh else 'build'} -> boundary {block}",
+            "block": block, "refresh": refresh, "phase": name, "peak": sum(comp.values()),
+            "components": comp, "prefix_params": n,
+            "basis": {"weights": cb * n, "work": work, "shard": shard}}  # fmt: skip
+
+
+def sharded_full_cards(sh: ModelShape, part, p: Setup, card_bytes: float, global_batch: int,
+                       limit: int = 256) -> int | None:  # fmt: skip
+    """Smallest n whose per-card peak fits when full training shards weights, gradients and
+    optimizer state n ways and splits the global batch n ways (a ZeRO-3 idealisation, for the
+    cost baseline; preinfer's own full mode is a DDP replica). None if nothing up to `limit`."""
+    for n in range(1, limit + 1):
+        q = Setup(**{**p.__dict__, "batch": max(1, math.ceil(global_batch / n)), "world": n})
+        r = trainer_memory(sh, part, "full", 0, q)
+        c = r["components"]
+        if r["peak"] - (c["weights"] + c["optimizer"] + c["grads"]) * (1 - 1 / n) <= card_bytes:
+            return n
+    return None
+
+
+@dataclass(kw_only=True)
+class Flops:
+    """Matmul FLOPs per token (2 per multiply-add; backward = 2 x forward)."""
+
+    sh: ModelShape
+    part: object
+    seq: int
+
+    def _fwd(self, layers) -> float:
+        H, S = self.sh.hidden, self.seq
+        return sum(2 * self.sh.layers[j] + 4 * S * H for j in layers)
+
+    def full(self) -> float:
+        layers = range(self.part.num_layers)
+        return 3 * (self._fwd(layers) + 2 * self.sh.head_matrix)
+
+    def bcd(self, k: int) -> float:
+        """Suffix forward + input gradients through it + weight gradients of block k only."""
+        M, part = self.part.num_blocks, self.part
+        suffix = range(part.blocks[k][0], part.num_layers)
+        fwd = self._fwd(suffix) + 2 * self.sh.head_matrix
+        matrix_tr = (k == M - 1 and not self.sh.tied) or (k == 0 and self.sh.tied)
+        wgrad = self._fwd(part.layers(k)) + (2 * self.sh.head_matrix if matrix_tr else 0)
+        return 2 * fwd + wgrad
+
+    def preinfer(self, k: int) -> float:
+        """Refresh of boundary k: block k-1's forward per cached token."""
+        return self._fwd(self.part.layers(k - 1))
+
+
+def smallest_fitting_m(sh: ModelShape, p: Setup, card_bytes: float) -> dict | None:
+    """Smallest M whose worst BCD block fits `card_bytes` (block 0 holds every weight)."""
+    from preinfer.partition import partition_layers
+
+    L = len(sh.layers)
+
+    def worst(m):
+        part = partition_layers(list(sh.layers), sh.embed, sh.head, m)
+        r = max((trainer_memory(sh, part, "bcd", k, p) for k in range(m)), key=lambda r: r["peak"])
+        return {"M": m, "peak": r["peak"], "worst_stage": r["stage"],
+                "blocks": [list(b) for b in part.blocks]}  # fmt: skip
+
+    if worst(L)["peak"] > card_bytes:  # one layer per block does not fit: no M will
+        return None
+    return next(w for m in range(1, L + 1) if (w := worst(m))["peak"] <= card_bytes)
+
+
+def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
+              seq: int | None = None, cards: int = 1, precision: str | None = None,
+              optimizer: str | None = None, act_recompute: bool = False,
+              n_train: int | None = None, n_val: int | None = None) -> Setup:  # fmt: skip
+    """The per-card Setup of a config: batch split over `cards` data-parallel replicas, precision
+    from run.precision (auto: amp-bf16 on GPU, fp32 on CPU), cache reader/worker buffers from
+    cache.shard_mb (N unknown: assume at least one full shard)."""
+    from storage.cache import rows_per_shard
+    from storage.codecs import stored_dtype
+
+    S = seq or cfg.data.seq_len
+    B = batch or cfg.train.batch_size
+    b = max(1, math.ceil(B / cards))
+    if precision is None:
+        rp = cfg.run.precision
+        precision = "fp32" if rp == "fp32" or (target == "cpu" and rp == "auto") else "amp-bf16"
+    rps = rows_per_shard(S, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
+    n_tr = None if n_train is None else max(1, round(n_train * cfg.preinfer.sample_fraction))
+    tr_rows = rps if n_tr is None else min(rps, n_tr)
+    # the trainer's shuffle buffer (storage.reader.buffer_rows): train.shuffle_buffer_mb of
+    # stored rows, at least one shard, at most the rank's rows (N unknown: the full budget)
+    row_stored = S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize
+    buf_rows = max(int(cfg.train.shuffle_buffer_mb * MiB // row_stored), rps)
+    if n_tr is not None:
+        buf_rows = min(buf_rows, math.ceil(n_tr / cards))
+    val_rows = rps if n_val is None else min(rps, n_val)
+    opt = optimizer or cfg.train.optimizer
+    return Setup(precision=precision, optimizer=opt, momentum=cfg.train.momentum != 0,
+                 batch=b, seq=S, target=target, act_recompute=act_recompute, world=cards,
+                 reader_rows=max(buf_rows, b), val_rows=max(val_rows, min(B, n_val or B)),
+                 cache_dtype_bytes=stored_dtype(cfg.cache.dtype).itemsize, shard_rows=tr_rows,
+                 token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
+                 micro_batch=cfg.preinfer.micro_batch)  # fmt: skip
