@@ -86,7 +86,7 @@ def ensure_current(cfg, block: int) -> None:
 
 
 def run(args) -> dict:
-    work = Path(args.work)
+    work = Path(args.work) / f"docs{args.documents}"  # one token set per workload size
     over = [
         f"run.dir={work}",
         f"data.max_documents={args.documents}",
