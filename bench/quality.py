@@ -1504,8 +1504,10 @@ def findings(results: dict, summary: dict) -> list[str]:
         out.append(
             f"- Cache batch order ({order['rows'][0]['model']}, one round, mean whole-val ppl over seeds): "
             + "; ".join(f"{k}: {v:.1f}" for k, v in means.items())
-            + ". Read in a global order the cache matches recompute; the gap is the reader's "
-            "shard-local batches, not bf16 and not BCD."
+            + f". Diagnostic run of {order.get('started', '?')}, before train caches were "
+            "written in a shuffled row order: read in a global order the cache matched "
+            "recompute, so the gap was the reader's shard-local batches, not bf16 and not BCD. "
+            "Since the fix the main comparison's 'cache vs recompute' ratio measures the same."
         )
     return out
 
@@ -1674,7 +1676,14 @@ def write_markdown(results: dict, summary: dict, docs: Path, figures: list[Path]
         L.append("")
     order = results.get("order")
     if order:
-        L.append("## Cache batch order (diagnostic)\n")
+        L.append("## Cache batch order (diagnostic, before the row-order fix)\n")
+        L.append(
+            "Since commit fd8893a pre-inference writes train caches in a seeded random row "
+            "order and the reader shuffles a buffer of several shards, so cache-fed batches "
+            "mix the corpus like token batches (the main comparison's 'cache vs recompute' "
+            "ratio above shows the effect). The table below is the diagnostic that found the "
+            "defect, run on the code before that fix.\n"
+        )
         L.append(
             f"From `{order.get('command')}` ({order.get('started', '')}): one BCD round "
             f"(M={M}, {M * S} steps, AdamW) from the same init per seed; whole-val ppl. The "
