@@ -1950,36 +1950,35 @@ def main(argv: list[str] | None = None) -> dict:
         args.results or (work / "results" if args.quick else ROOT / "bench" / "results")
     )
     if args.diagnose_order:
-        t0 = time.perf_counter()
-        res = diagnose_order(replace(scale), work / "order", log=print)
-        res.update(
-            command="python bench/quality.py --diagnose-order" + (" --quick" if args.quick else ""),
-            started=time.strftime("%Y-%m-%d %H:%M:%S"),
-            seconds=time.perf_counter() - t0,
-        )
-        results_dir.mkdir(parents=True, exist_ok=True)
-        path = results_dir / f"quality-order-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(res, indent=1))
-        for r in res["rows"]:
-            print(f"{r['model']} seed {r['seed']} {r['arm']:32s} ppl {r['ppl']:.1f}")
-        print(f"wrote {path}")
-        return res
+        return _side_study(
+            "--diagnose-order", "order", diagnose_order, scale, work / "order", results_dir,
+            args.quick, lambda r: f"{r['model']} seed {r['seed']} {r['arm']:32s} ppl {r['ppl']:.1f}",
+        )  # fmt: skip
     if args.lr_sweep:
-        t0 = time.perf_counter()
-        res = lr_sweep(replace(scale), work / "lr-sweep", log=print)
-        res.update(
-            command="python bench/quality.py --lr-sweep" + (" --quick" if args.quick else ""),
-            started=time.strftime("%Y-%m-%d %H:%M:%S"),
-            seconds=time.perf_counter() - t0,
-        )
-        results_dir.mkdir(parents=True, exist_ok=True)
-        path = results_dir / f"quality-lrsweep-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(res, indent=1))
-        for r in res["rows"]:
-            print(f"{r['optimizer']:6s} {r['mode']:14s} lr {r['lr']:<8g} ppl {r['ppl']:.1f}")
-        print(f"wrote {path}")
-        return res
+        return _side_study(
+            "--lr-sweep", "lrsweep", lr_sweep, scale, work / "lr-sweep", results_dir, args.quick,
+            lambda r: f"{r['optimizer']:6s} {r['mode']:14s} lr {r['lr']:<8g} ppl {r['ppl']:.1f}",
+        )  # fmt: skip
     return _brief(run_study(scale, name, work, docs, results_dir))
+
+
+def _side_study(flag, tag, fn, scale, work, results_dir, quick, row_line) -> dict:
+    """Run one side study (`fn(scale, work)`), stamp it with its command, write
+    bench/results/quality-<tag>-<time>.json and print one line per row."""
+    t0 = time.perf_counter()
+    res = fn(replace(scale), work, log=print)
+    res.update(
+        command=f"python bench/quality.py {flag}" + (" --quick" if quick else ""),
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+        seconds=time.perf_counter() - t0,
+    )
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"quality-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(res, indent=1))
+    for r in res["rows"]:
+        print(row_line(r))
+    print(f"wrote {path}")
+    return res
 
 
 def _brief(res: dict) -> dict:

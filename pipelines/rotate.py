@@ -14,7 +14,6 @@ number of optimizer steps as the BCD rotation); --mode bcd-recompute rotates wit
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -95,10 +94,7 @@ def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> No
         for fp in ev.get("fingerprints", {}).values():
             path = fs.path(cfg.cache.root) / fp
             if fp not in keep and path.is_dir():
-                if fs.is_url(path):
-                    fs.rmtree(path)
-                else:
-                    shutil.rmtree(path, ignore_errors=True)
+                fs.rmtree(path)
                 log(f"  dropped cache {fp[:12]} (no longer needed; cache.keep=false)")
 
 

@@ -407,6 +407,7 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
     cache.shard_mb (N unknown: assume at least one full shard)."""
     from storage.cache import rows_per_shard
     from storage.codecs import stored_dtype
+    from storage.reader import buffer_rows
 
     S = seq or cfg.data.seq_len
     B = batch or cfg.train.batch_size
@@ -417,17 +418,16 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
     rps = rows_per_shard(S, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
     n_tr = None if n_train is None else max(1, round(n_train * cfg.preinfer.sample_fraction))
     tr_rows = rps if n_tr is None else min(rps, n_tr)
-    # the trainer's shuffle buffer (storage.reader.buffer_rows): train.shuffle_buffer_mb of
-    # stored rows, at least one shard, at most the rank's rows (N unknown: the full budget)
-    row_stored = S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize
-    buf_rows = max(int(cfg.train.shuffle_buffer_mb * MiB // row_stored), rps)
-    if n_tr is not None:
-        buf_rows = min(buf_rows, math.ceil(n_tr / cards))
+    # the trainer's shuffle buffer, as the reader sizes it (N unknown: the full budget)
+    buf_rows = buffer_rows(
+        S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize, rps, b,
+        None if n_tr is None else math.ceil(n_tr / cards), None, cfg.train.shuffle_buffer_mb,
+    )  # fmt: skip
     val_rows = rps if n_val is None else min(rps, n_val)
     opt = optimizer or cfg.train.optimizer
     return Setup(precision=precision, optimizer=opt, momentum=cfg.train.momentum != 0,
                  batch=b, seq=S, target=target, act_recompute=act_recompute, world=cards,
-                 reader_rows=max(buf_rows, b), val_rows=max(val_rows, min(B, n_val or B)),
+                 reader_rows=buf_rows, val_rows=max(val_rows, min(B, n_val or B)),
                  cache_dtype_bytes=stored_dtype(cfg.cache.dtype).itemsize, shard_rows=tr_rows,
                  token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
                  micro_batch=cfg.preinfer.micro_batch)  # fmt: skip

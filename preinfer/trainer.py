@@ -161,7 +161,7 @@ class CacheBatches:
         world: int = 1,
         shuffle: bool = True,
         dtype: torch.dtype = torch.float32,
-        buffer_mb: float = 64.0,
+        buffer_mb: float = TrainConfig.shuffle_buffer_mb,
     ):
         n = cache.num_samples
         if n < batch_size:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -373,8 +374,11 @@ def put(p: RemotePath | str, data) -> None:
     rp.fs.pipe_file(rp.key, as_bytes(data))
 
 
-def rmtree(p: RemotePath | str) -> None:
-    """Delete every object under a prefix."""
+def rmtree(p: RemotePath | Path | str) -> None:
+    """Delete a local directory tree (missing is fine) or every object under a URL prefix."""
+    if not is_url(p):
+        shutil.rmtree(path(p), ignore_errors=True)
+        return
     rp = path(p)
     keys = list(rp.find())
     if keys:

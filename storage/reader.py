@@ -426,8 +426,9 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 f"{n} samples cannot make one batch of {batch_size} on each of {world_size} "
                 "ranks with drop_last=True; lower batch_size or set drop_last=False"
             )
+        row_bytes = cache.seq_len * cache.hidden_size * stored_dtype(cache.dtype).itemsize
         self.buffer_size = buffer_rows(
-            cache, batch_size, self.rows_per_rank, buffer_size, buffer_mb
+            row_bytes, cache.rows_per_shard, batch_size, self.rows_per_rank, buffer_size, buffer_mb
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -506,14 +507,21 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
 
 def buffer_rows(
-    cache: Cache, batch_size: int, rows_per_rank: int, rows: int | None, mb: float
+    row_bytes: int,
+    rows_per_shard: int,
+    batch_size: int,
+    rows_per_rank: int | None,
+    rows: int | None,
+    mb: float,
 ) -> int:
-    """Rows of a CacheDataset's shuffle buffer: `rows`, else `mb` of stored values, never
-    below one shard (a shard is read whole) or one batch, never above the rank's rows."""
+    """Rows of a CacheDataset's shuffle buffer (also the planner's estimate of it): `rows`,
+    else `mb` of stored values (`row_bytes` a row) but never below one shard (a shard is read
+    whole); never below one batch, never above the rank's rows (None: not known)."""
     if rows is None:
-        row_bytes = cache.seq_len * cache.hidden_size * codecs.stored_dtype(cache.dtype).itemsize
-        rows = max(int(mb * 2**20 // row_bytes), cache.rows_per_shard)
-    return max(batch_size, min(rows, rows_per_rank))
+        rows = max(int(mb * 2**20 // row_bytes), rows_per_shard)
+    if rows_per_rank is not None:
+        rows = min(rows, rows_per_rank)
+    return max(batch_size, rows)
 
 
 # ---------------------------------------------------------------------------- HF datasets

@@ -7,7 +7,6 @@ object-store URL (s3://bucket/prefix): caches are then key prefixes under it.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -128,10 +127,7 @@ def gc_caches(
         reason = "not in keep set" if complete else "incomplete (no manifest)"
         size = dir_bytes(d)
         if not dry_run:
-            if fs.is_url(d):
-                fs.rmtree(d)
-            else:
-                shutil.rmtree(d, ignore_errors=True)
+            fs.rmtree(d)
         out.append((fp, reason, size))
     return out
 
