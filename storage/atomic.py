@@ -61,21 +61,36 @@ class PendingPut:
         self.data = data
 
 
+HASH_CHUNK = 1 << 20  # bytes hashed then written at a time: the kernel copies them from cache
+
+
 def write_aside(
-    path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True
+    path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True, digest=None
 ) -> Path | PendingPut:
     """Write `data` (one buffer, or a list written back to back) to a fresh temp file next to
     `path` (fsync'd unless fsync=False); returns the temp path for `commit` (or `discard`).
-    For a URL nothing is written yet: the joined bytes wait for `commit`'s single PUT."""
+    For a URL nothing is written yet: the joined bytes wait for `commit`'s single PUT.
+
+    digest: a hasher (`hasher()`) updated with every byte written, HASH_CHUNK bytes at a time
+    just before each is written, so the data is read from memory once for both."""
     if fs.is_url(path):
-        return PendingPut(fs.as_bytes(data))
+        blob = fs.as_bytes(data)
+        if digest is not None:
+            digest.update(blob)
+        return PendingPut(blob)
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(p)
     try:
         with open(tmp, "wb") as f:
             for part in _parts(data):
-                f.write(part)
+                if digest is None:
+                    f.write(part)
+                    continue
+                view = memoryview(part).cast("B")
+                for o in range(0, len(view), HASH_CHUNK):
+                    digest.update(view[o : o + HASH_CHUNK])
+                    f.write(view[o : o + HASH_CHUNK])
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -209,6 +224,11 @@ def checksum_entry(parts: Buffer | list[Buffer], algo: str = CHECKSUM_ALGO) -> d
     return {"bytes": n, "checksum": {"algo": algo, "value": checksum(parts, algo)}}
 
 
+def digest_entry(digest, nbytes: int, algo: str = CHECKSUM_ALGO) -> dict:
+    """checksum_entry's dict from a `hasher(algo)` that has seen `nbytes` bytes."""
+    return {"bytes": nbytes, "checksum": {"algo": algo, "value": digest.hexdigest()}}
+
+
 def entry_algo(entry: dict) -> tuple[str, str]:
     """(algo, hex digest) recorded in a file entry (new style, or legacy {"sha256": hex})."""
     c = entry.get("checksum")
@@ -273,19 +293,38 @@ def human(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def read_array(path: str | Path) -> np.ndarray:
-    """The whole file as a fresh, writable uint8 array (one read straight into it)."""
+def read_into(f, buffers: list, digest=None) -> int:
+    """Fill `buffers` (writable, C-contiguous) back to back from the open raw file `f`; returns
+    the bytes read (less than their size only at end of file). digest: a hasher updated with
+    every byte read, HASH_CHUNK bytes at a time right after each is read (still in cache)."""
+    total = 0
+    for b in buffers:
+        view, got = memoryview(b).cast("B"), 0
+        while got < len(view):
+            k = f.readinto(view[got : got + HASH_CHUNK] if digest is not None else view[got:])
+            if not k:
+                return total + got
+            if digest is not None:
+                digest.update(view[got : got + k])
+            got += k
+        total += got
+    return total
+
+
+def read_array(path: str | Path, digest=None) -> np.ndarray:
+    """The whole file as a fresh, writable uint8 array (one read straight into it); digest: a
+    hasher updated with its bytes as they are read (read_into)."""
     if fs.is_url(path):
         data = fs.path(path).read_bytes()
         buf = np.empty(len(data), np.uint8)
         buf[:] = np.frombuffer(data, np.uint8)
+        if digest is not None:
+            digest.update(buf)
         return buf
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = np.empty(size, np.uint8)
-        view, got = memoryview(buf), 0
-        while got < size and (n := f.readinto(view[got:])):
-            got += n
+        got = read_into(f, [buf], digest)
     if got != size:
         raise OSError(f"{path} shrank while being read ({got} of {size} bytes)")
     return buf

@@ -352,15 +352,16 @@ class CacheWriter:
                     f"cache {self.dir} is complete and shard {i} would get other bytes than it "
                     "holds; a complete cache is immutable (delete it to rebuild)"
                 )  # an identical rewrite goes on: it repairs a damaged shard file
-        # the shard files are written (and fsync'd) aside on the I/O thread while this thread
-        # computes checksums and stats; they are renamed into place only if all went well
+        # the shard files are written (and fsync'd) aside on the I/O thread, which checksums
+        # each chunk just before writing it, while this thread computes the stats; they are
+        # renamed into place only if all went well
+        digests = {rel: atomic.hasher() for rel in parts}
         pending = [
-            (rel, atomic.background(atomic.write_aside, self.dir / rel, p))
+            (rel, atomic.background(atomic.write_aside, self.dir / rel, p, digest=digests[rel]))
             for rel, p in parts.items()
         ]
         error: BaseException | None = None
         try:
-            files = files or {rel: checksum_entry(p) for rel, p in parts.items()}
             stats = self._stats(i, start, stop, given, stored, scale)
         except BaseException as e:
             error = e
@@ -374,6 +375,10 @@ class CacheWriter:
             for _, tmp in tmps:
                 atomic.discard(tmp)
             raise error
+        files = files or {
+            rel: atomic.digest_entry(digests[rel], sum(memoryview(b).nbytes for b in p))
+            for rel, p in parts.items()
+        }
         for rel, tmp in tmps:
             atomic.commit(tmp, self.dir / rel)
         marker = {"shard": i, "start": start, "stop": stop, "files": files, "stats": stats}
@@ -385,10 +390,10 @@ class CacheWriter:
         """The shard's value stats; CacheError if a value is NaN/inf (or overflowed)."""
         dtype = self.header["dtype"]
         exact = not codecs.is_lossy(dtype) and given.dtype == codecs.LOGICAL_TORCH[dtype]
-        try:  # one pass over the values: exact stats, and the NaN/inf check
-            if exact:  # stored == given bit for bit
-                return codecs.shard_stats(given)
-            return codecs.shard_stats(codecs.decode(stored, scale, dtype), given)
+        try:  # the NaN/inf check over every value, and the shard's stats
+            if exact:  # stored == given bit for bit: exact absmax, sums of a row sample
+                return codecs.shard_stats_sampled(given)
+            return codecs.shard_stats(codecs.decode(stored, scale, dtype), given)  # all values
         except codecs.CodecError:
             bad = codecs.count_nonfinite(given)
             why = (
@@ -427,6 +432,7 @@ class CacheWriter:
 def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict]) -> dict:
     n, s, hs = header["num_samples"], header["seq_len"], header["hidden_size"]
     stats, error = codecs.combine_stats([m["stats"] for m in markers])
+    sampling = codecs.sampling_record([m["stats"] for m in markers])
     value_bytes = sum(f["bytes"] for m in markers for f in m["files"].values())
     others = {
         rel: checksum_file(cache_dir / rel)
@@ -451,6 +457,7 @@ def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict
             for rel, (d, b) in others.items()
         },
         "stats": stats,
+        "stats_sampling": sampling,  # None: mean/std over every value
         "error": error,
         "total_bytes": value_bytes + sum(b for _, b in others.values()),
         "value_bytes": value_bytes,

@@ -32,7 +32,14 @@ from storage.shard_codec import (
     shard_codec,
     shard_key,
 )
-from storage.stats import STATS_BLOCK, combine_stats, count_nonfinite, shard_stats
+from storage.stats import (
+    STATS_BLOCK,
+    combine_stats,
+    count_nonfinite,
+    sampling_record,
+    shard_stats,
+    shard_stats_sampled,
+)
 from storage.values import (
     FP8_MAX,
     INT8_MAX,
@@ -52,7 +59,7 @@ __all__ = [
     "_zarr_encode_shard", "array_json", "combine_stats", "compressors", "count_nonfinite",
     "decode", "decode_shard", "encode", "encode_shard", "encode_shard_parts", "is_lossy",
     "read_samples", "samples_arrays", "samples_table", "shard_codec", "shard_key",
-    "shard_stats", "stored_dtype",
+    "sampling_record", "shard_stats", "shard_stats_sampled", "stored_dtype",
 ]  # fmt: skip
 
 _SHUFFLE = {"none": "noshuffle", "byte": "shuffle", "bit": "bitshuffle"}

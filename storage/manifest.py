@@ -249,6 +249,11 @@ def _check(m: Any, cache_dir: Any) -> None:
             _int(m, k, "", 0, MAX_BYTES * MAX_COUNT)
     for k in ("bytes_per_value", "compression_ratio", "ratio_vs_bf16"):
         _number(m, k)
+    sampling = _typed(m, "stats_sampling", (dict, type(None)), required=False)  # newer caches
+    if sampling:
+        _typed(sampling, "rule", str, "stats_sampling.")
+        for k in ("values_summed", "values", "shards_sampled"):
+            _int(sampling, k, "stats_sampling.", 0, MAX_BYTES * MAX_COUNT)
     for k, optional in (("stats", False), ("error", True)):
         d = _typed(m, k, (dict, type(None)) if optional else dict, required=False)
         for name, val in (d or {}).items():

@@ -22,7 +22,7 @@ import torch
 
 from preinfer.fingerprint import CACHE_FORMAT_VERSION
 from storage import codecs, fs
-from storage.atomic import checksum, entry_algo, file_matches, read_array
+from storage.atomic import entry_algo, file_matches, hasher, read_array, read_into
 from storage.cache import (
     DONE,
     HIDDEN,
@@ -173,12 +173,13 @@ class Cache:
             return self._last[1], True
         out = {}
         for rel, want in self.manifest["shards"][i]["files"].items():
+            algo, digest = entry_algo(want)
+            h = hasher(algo) if self.check_reads else None  # fed while reading (cache-hot)
             try:
-                data = read_array(self.dir / rel)
+                data = read_array(self.dir / rel, h)
             except FileNotFoundError:
                 raise CacheCorrupt(f"shard {i}: {rel} is missing; rebuild the cache") from None
-            algo, digest = entry_algo(want)
-            if len(data) != want["bytes"] or (self.check_reads and checksum(data, algo) != digest):
+            if len(data) != want["bytes"] or (h is not None and h.hexdigest() != digest):
                 raise CacheCorrupt(
                     f"shard {i}: {self.dir / rel} does not match its checksum (bytes changed on "
                     "disk); delete the cache and rebuild it"
@@ -215,6 +216,7 @@ class Cache:
         parts = (
             [index, memoryview(dest).cast("B")] if offset else [memoryview(dest).cast("B"), index]
         )  # in file order
+        h = hasher(algo) if self.check_reads else None  # fed while reading (cache-hot)
         try:
             with open(self.dir / rel, "rb", buffering=0) as f:
                 if os.fstat(f.fileno()).st_size != want["bytes"]:
@@ -222,13 +224,10 @@ class Cache:
                         f"shard {i}: {self.dir / rel} does not have the size its manifest "
                         "records (bytes changed on disk); delete the cache and rebuild it"
                     )
-                for part in parts:
-                    view, got = memoryview(part).cast("B"), 0
-                    while got < len(view) and (k := f.readinto(view[got:])):
-                        got += k
+                read_into(f, parts, h)
         except FileNotFoundError:
             raise CacheCorrupt(f"shard {i}: {rel} is missing; rebuild the cache") from None
-        if self.check_reads and checksum(parts, algo) != digest:
+        if h is not None and h.hexdigest() != digest:
             raise CacheCorrupt(
                 f"shard {i}: {self.dir / rel} does not match its checksum (bytes changed on "
                 "disk); delete the cache and rebuild it"

@@ -471,6 +471,52 @@ def test_stats_catch_nonfinite_values_and_survive_fp32_overflow():
     assert st["absmax"] == pytest.approx(3e38, rel=1e-2) and np.isfinite(st["sumsq"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sampled_stats_keep_absmax_and_nan_check_exact(dtype):
+    from storage.stats import bits_absmax
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 8, 16, generator=g) * 2 + 0.25).to(dtype)  # 8192 values
+    x[13, 5, 2] = -40.0  # row 13: not in the row sample (stride 8 -> rows 0, 8, ... 56)
+    st = codecs.shard_stats_sampled(x, budget=1024)
+    assert st["row_stride"] == 8 and st["values"] == x.numel() and st["count"] == 8 * 128
+    assert st["absmax"] == 40.0  # every value, from the bits
+    sub = x[::8].double()
+    assert st["sum"] == pytest.approx(float(sub.sum()), abs=1e-4)
+    assert st["sumsq"] == pytest.approx(float((sub * sub).sum()), rel=1e-5)
+    assert codecs.shard_stats_sampled(x.clone(), budget=1024) == st  # deterministic
+    assert codecs.shard_stats_sampled(x, budget=x.numel()) == codecs.shard_stats(x)  # small
+    y = x.clone()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y[13, 0, 0] = bad  # an unsampled row: still caught
+        with pytest.raises(codecs.CodecError, match=f"1 of {x.numel()} values are NaN/inf"):
+            codecs.shard_stats_sampled(y, budget=1024)
+    neg = -x.abs()  # only negatives; -0.0 and 0.0 give 0
+    assert bits_absmax(neg) == (40.0, False)
+    assert bits_absmax(torch.full((5,), -0.0, dtype=dtype)) == (0.0, False)
+
+
+def test_manifest_records_sampled_stats_and_old_manifests_validate(tmp_path, monkeypatch):
+    from storage import stats
+    from storage.manifest import validate_manifest
+
+    monkeypatch.setattr(stats, "STATS_SAMPLE_VALUES", 256)  # shards of 8 x 8 x 16 values
+    x = hidden(torch.bfloat16)
+    build(tmp_path, "fp", x, cfg("bf16"))
+    c = open_cache(tmp_path, "fp", verify=True)
+    m = c.manifest
+    assert m["stats_sampling"]["shards_sampled"] == 5
+    assert m["stats_sampling"]["values"] == x.numel()
+    assert m["stats_sampling"]["values_summed"] == x.numel() // 4  # every 4th row
+    assert m["stats"]["absmax"] == float(x.float().abs().max())  # exact
+    assert torch.equal(c.read_rows(0, N, dtype=None)[0].view(torch.int16), x.view(torch.int16))
+    old = {k: v for k, v in m.items() if k != "stats_sampling"}  # a manifest of before
+    validate_manifest(old, tmp_path / "fp")
+    validate_manifest({**m, "stats_sampling": None}, tmp_path / "fp")
+    with pytest.raises(cache_mod.CacheCorrupt, match="stats_sampling.values"):
+        validate_manifest({**m, "stats_sampling": {**m["stats_sampling"], "values": "x"}}, c.dir)
+
+
 def test_writer_refuses_nan_and_bf16_overflow(tmp_path):
     w = build(tmp_path, "fp", hidden(torch.bfloat16), cfg("bf16"), finalize=False)
     x = hidden(torch.bfloat16)[:8].clone()
