@@ -793,7 +793,7 @@ def probe_main(spec: dict) -> dict:
     for step in range(scale.probe_steps):
         t0 = time.perf_counter()
         train_step(
-            visit.forward, visit.params, opt, next(it), cfg.train, step, device=torch.device("cpu")
+            visit.loss, visit.params, opt, next(it), cfg.train, step, device=torch.device("cpu")
         )
         step_s.append(time.perf_counter() - t0)
     peak = (

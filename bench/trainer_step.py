@@ -8,8 +8,11 @@ For the last block and a middle block of the config's model, in one run on one m
   interleaved repeats;
 - the ideal cached/recompute ratio = time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd),
   from bare forward/backward timings in the same run;
-- peak memory of each arm, each in a fresh subprocess: peak RSS growth over the process's
-  baseline after imports (CPU), or torch.cuda.max_memory_allocated on a GPU.
+- peak memory of each arm, each in fresh subprocesses (median of --mem-repeats): peak RSS growth
+  over the process's baseline once the libraries every arm uses are loaded (`warm_up_runtime`;
+  the headline), and "cold": over the baseline before the arm's own libraries load (model
+  classes, the cache reader's pyarrow/pandas), or torch.cuda.max_memory_allocated on a GPU.
+  Both arms of a ratio use the same loss (train.loss_chunk: the fused chunked LM head + loss).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from preinfer.adapters import forward_blocks  # noqa: E402
 from preinfer.checkpoint import Checkpoint, init_checkpoint, trainable_parameters  # noqa: E402
 from preinfer.config import load_config  # noqa: E402
 from preinfer.device import resolve_device  # noqa: E402
+from preinfer.loss import blocks_loss  # noqa: E402
 from preinfer.trainer import (  # noqa: E402
     CacheBatches,
     build_optimizer,
@@ -115,14 +119,13 @@ class Arm:
         self.it = None
         self.step_i = 0
 
-    def forward(self, x):
-        if self.name == "bcd":
-            return forward_blocks(self.adapter, self.part, x, self.block, self.M)
-        if self.name == "full":
-            return forward_blocks(self.adapter, self.part, x, 0, self.M)
-        with torch.no_grad():
-            h = forward_blocks(self.adapter, self.part, x, 0, self.block)
-        return forward_blocks(self.adapter, self.part, h, self.block, self.M)
+    def loss(self, x, labels):
+        start = self.block if self.name == "bcd" else 0
+        if self.name == "bcd-recompute":
+            with torch.no_grad():
+                x = forward_blocks(self.adapter, self.part, x, 0, self.block)
+            start = self.block
+        return blocks_loss(self.adapter, self.part, x, labels, start, self.cfg.train.loss_chunk)
 
     def batch(self):
         if self.name != "bcd":
@@ -138,7 +141,7 @@ class Arm:
     def step(self) -> float:
         t0 = time.perf_counter()
         train_step(
-            self.forward,
+            self.loss,
             self.params,
             self.opt,
             self.batch(),
@@ -154,7 +157,7 @@ class Arm:
 
 def bare_ratio(arm_recompute: Arm, repeats: int) -> float:
     """Ideal speed-up: time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd)."""
-    a, K, M = arm_recompute, arm_recompute.block, arm_recompute.M
+    a, K = arm_recompute, arm_recompute.block
     x, labels = a.ids[:, :-1], a.ids[:, 1:]
     with torch.no_grad():
         h = forward_blocks(a.adapter, a.part, x, 0, K)
@@ -164,8 +167,7 @@ def bare_ratio(arm_recompute: Arm, repeats: int) -> float:
         with torch.no_grad():
             forward_blocks(a.adapter, a.part, x, 0, K)
         t1 = time.perf_counter()
-        logits = forward_blocks(a.adapter, a.part, h, K, M)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        blocks_loss(a.adapter, a.part, h, labels, K, a.cfg.train.loss_chunk).backward()
         t2 = time.perf_counter()
         a.opt.zero_grad(set_to_none=True)
         pre.append(t1 - t0)
@@ -174,11 +176,21 @@ def bare_ratio(arm_recompute: Arm, repeats: int) -> float:
     return (p + s) / s
 
 
-def warm_up_runtime() -> None:
-    """One tiny forward/backward so thread pools and allocator arenas exist before the baseline:
-    the measured growth is then the trainer's, not the framework's one-off start-up."""
+def warm_up_runtime(cfg, ckpt, work: Path) -> None:
+    """Load the libraries every arm's process holds before it loads a model, so the measured
+    growth is the trainer's own (weights, gradients, optimizer state, activations, batches and
+    the reader's buffers), not one-off library start-up, and every arm starts from the same
+    baseline: thread pools and allocator arenas (a tiny forward/backward), the model classes
+    (transformers imports them lazily, ~150 MB of RSS: built here on the meta device) and the
+    cache reader's libraries (pyarrow's parquet reader and numpy bridge, which imports pandas,
+    ~50 MB: one batch read from a separate 2-sample cache)."""
+    from preinfer.modeling import build_model
+
     lin = torch.nn.Linear(64, 64)
     lin(torch.randn(8, 64)).sum().backward()
+    build_model(ckpt.model_config, device="meta", hf_config=ckpt.hf_config)
+    tiny = make_cache(cfg, ckpt, 1, work / "warm-up", 2)
+    next(iter(CacheBatches(tiny, batch_size=1, seed=0).epoch(0)))
 
 
 def memory_child(args) -> None:
@@ -187,8 +199,11 @@ def memory_child(args) -> None:
     work = Path(args.work)
     device = resolve_device(cfg.run.device)
     ckpt = Checkpoint.open(work / "checkpoint")
+    if not args.cold:
+        warm_up_runtime(cfg, ckpt, work)
     cache = make_cache(cfg, ckpt, args.block, work, args.samples) if args.arm == "bcd" else None
-    warm_up_runtime()
+    if args.cold:  # the arm's own libraries count: what a fresh process's RSS shows
+        torch.nn.Linear(8, 8)(torch.randn(2, 8)).sum().backward()
     reset_peak_memory(device)
     base = current_memory_mb(device)
     arm = Arm(args.arm, cfg, ckpt, args.block, cache, device)
@@ -197,7 +212,8 @@ def memory_child(args) -> None:
     print(json.dumps({"peak_growth_mb": peak_memory_mb(device) - base}))
 
 
-def measure_memory(args, arm: str, block: int) -> float:
+def measure_memory(args, arm: str, block: int, *, cold: bool = False) -> float:
+    """Median over args.mem_repeats fresh processes (RSS high-water marks vary run to run)."""
     cmd = [
         sys.executable,
         __file__,
@@ -215,8 +231,13 @@ def measure_memory(args, arm: str, block: int) -> float:
     ]
     for s in args.set:
         cmd += ["--set", s]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["peak_growth_mb"]
+    if cold:
+        cmd.append("--cold")
+    got = []
+    for _ in range(args.mem_repeats):
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        got.append(json.loads(out.strip().splitlines()[-1])["peak_growth_mb"])
+    return statistics.median(got)
 
 
 def run(args) -> dict:
@@ -228,6 +249,7 @@ def run(args) -> dict:
     rows = []
     for block in sorted({M - 1, max(1, M // 2)}):
         cache = make_cache(cfg, ckpt, block, work, args.samples)
+        make_cache(cfg, ckpt, 1, work / "warm-up", 2)  # for the memory children's warm-up
         arms = {
             n: Arm(n, cfg, ckpt, block, cache, device) for n in ("bcd", "bcd-recompute", "full")
         }
@@ -240,7 +262,9 @@ def run(args) -> dict:
         med = {n: statistics.median(t) for n, t in times.items()}
         ideal = bare_ratio(arms["bcd-recompute"], args.repeats)
         del arms
-        mem = {n: measure_memory(args, n, block) for n in ("bcd", "bcd-recompute", "full")}
+        names = ("bcd", "bcd-recompute", "full")
+        mem = {n: measure_memory(args, n, block) for n in names}
+        cold = {n: measure_memory(args, n, block, cold=True) for n in names}
         speedup = med["bcd-recompute"] / med["bcd"]
         rows.append(
             {
@@ -252,6 +276,8 @@ def run(args) -> dict:
                 "speedup_over_ideal": speedup / ideal,
                 "peak_mem_growth_mb": mem,
                 "mem_bcd_over_full": mem["bcd"] / mem["full"],
+                "peak_mem_growth_cold_mb": cold,
+                "mem_bcd_over_full_cold": cold["bcd"] / cold["full"],
             }
         )
     last = rows[-1]
@@ -266,10 +292,13 @@ def run(args) -> dict:
         "headline": headline,
         "config": args.config,
         "device": str(device),
-        "memory": "peak RSS growth (VmHWM, reset) over the warmed-up RSS before loading (CPU)"
+        "memory": "peak RSS growth (VmHWM, reset) over the RSS with every arm's libraries "
+        "loaded, before the arm loads anything (CPU); cold: before the arm's own libraries load"
         if device.type == "cpu"
         else "torch.cuda.max_memory_allocated",
         "repeats": args.repeats,
+        "mem_repeats": args.mem_repeats,
+        "loss_chunk": cfg.train.loss_chunk,
         "rows": rows,
     }
 
@@ -277,8 +306,8 @@ def run(args) -> dict:
 def table(res: dict) -> str:
     lines = [
         "| block | bcd ms | recompute ms | full ms | cached/recompute | ideal | of ideal | "
-        "mem bcd MB | mem recompute MB | mem full MB | bcd/full mem |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "mem bcd MB | mem recompute MB | mem full MB | bcd/full mem | bcd/full mem cold |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         s, m = r["step_ms"], r["peak_mem_growth_mb"]
@@ -286,9 +315,12 @@ def table(res: dict) -> str:
             f"| {r['block']} of {r['of_blocks']} | {s['bcd']:.1f} | {s['bcd-recompute']:.1f} | "
             f"{s['full']:.1f} | {r['speedup_cached_vs_recompute']:.2f}x | {r['ideal_ratio']:.2f}x | "
             f"{r['speedup_over_ideal']:.2f} | {m['bcd']:.0f} | {m['bcd-recompute']:.0f} | "
-            f"{m['full']:.0f} | {r['mem_bcd_over_full']:.2f} |"
+            f"{m['full']:.0f} | {r['mem_bcd_over_full']:.2f} | {r['mem_bcd_over_full_cold']:.2f} |"
         )
-    return "\n".join(lines) + f"\n\nmemory: {res['memory']}; medians of {res['repeats']} repeats"
+    return "\n".join(lines) + (
+        f"\n\nmemory: {res['memory']}; medians of {res['mem_repeats']} processes; "
+        f"times: medians of {res['repeats']} repeats; loss_chunk {res['loss_chunk']}"
+    )
 
 
 def main(argv=None) -> dict | None:
@@ -297,11 +329,13 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per memory figure")
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--block", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         memory_child(args)

@@ -76,6 +76,11 @@ class Adapter:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def head_split(self) -> tuple | None:
+        """(features, linear) with head(h) == linear(features(h)), for the fused chunked loss
+        (preinfer.loss); None = the head has no final linear layer to fuse."""
+        return None
+
     # ---- sizes ----
     @property
     def num_layers(self) -> int:
@@ -230,6 +235,9 @@ class GPT2Adapter(HFAdapter):
     def head(self, hidden):
         return self.model.lm_head(self.model.transformer.ln_f(hidden))
 
+    def head_split(self):
+        return self.model.transformer.ln_f, self.model.lm_head
+
 
 class LlamaAdapter(HFAdapter):
     """transformers LlamaForCausalLM (also Mistral/Qwen2 without sliding window): embed =
@@ -261,6 +269,9 @@ class LlamaAdapter(HFAdapter):
 
     def head(self, hidden):
         return self.model.lm_head(self.model.model.norm(hidden))
+
+    def head_split(self):
+        return self.model.model.norm, self.model.lm_head
 
 
 class BertAdapter(HFAdapter):
@@ -386,11 +397,17 @@ def _check_input(adapter: Adapter, x: torch.Tensor, start: int) -> None:
 
 
 def forward_blocks(
-    adapter: Adapter, partition: Partition, x: torch.Tensor, start: int, stop: int
+    adapter: Adapter,
+    partition: Partition,
+    x: torch.Tensor,
+    start: int,
+    stop: int,
+    *,
+    head: bool = True,
 ) -> torch.Tensor:
     """Run blocks [start, stop). start == 0: x is input_ids (B, S) and embed runs first; else x
-    is the hidden (B, S, H) entering block `start`. stop == M: returns logits (B, S, V); else the
-    hidden (B, S, H) entering block `stop`."""
+    is the hidden (B, S, H) entering block `start`. stop == M: returns logits (B, S, V) (the
+    hidden (B, S, H) leaving the last layer if head=False); else the hidden entering `stop`."""
     M = partition.num_blocks
     if partition.num_layers != adapter.num_layers:
         raise AdapterError(
@@ -410,7 +427,7 @@ def forward_blocks(
     for i in range(first, last):
         adapter.require_loaded("layers", i)
         x = adapter.layer(i, x, ctx)  # (B, S, H): hidden entering layer i + 1
-    if stop == M:
+    if stop == M and head:
         adapter.require_loaded("head")
         return adapter.head(x)  # (B, S, V)
     return x

@@ -6,12 +6,10 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from preinfer.loss import lm_loss
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits (B, S, V), labels (B, S) long, in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+__all__ = ["evaluate_tokens", "lm_loss", "split_sample"]
 
 
 def split_sample(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

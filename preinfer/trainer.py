@@ -13,7 +13,7 @@ import torch
 
 from preinfer.confload import ConfigError
 from preinfer.device import autocast
-from preinfer.evaluation import lm_loss, split_sample
+from preinfer.evaluation import split_sample
 
 # The paper's defaults per optimizer: (lr, momentum, weight decay).
 PAPER_DEFAULTS = {"sgd": (0.1, 0.9, 1e-5), "adam": (1e-4, 0.0, 1e-5), "adamw": (1e-4, 0.0, 1e-5)}
@@ -61,6 +61,8 @@ class TrainConfig:
     """Seed of data order and dropout."""
     shuffle_buffer_mb: float = 64.0
     """Host MB of stored cache rows a rank shuffles together (bcd K > 0); the whole split if it fits."""
+    loss_chunk: int = 256
+    """Tokens per chunk of the fused LM head + cross-entropy (only (chunk, V) logits alive); 0 = plain."""
 
     def __post_init__(self):
         for name in ("rounds", "max_steps", "batch_size"):
@@ -78,6 +80,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.loss_chunk < 0:
+            raise ConfigError(
+                f"train.loss_chunk must be >= 0 tokens (0 = unfused loss), got {self.loss_chunk}"
+            )
         if self.shuffle_buffer_mb <= 0:
             raise ConfigError(f"train.shuffle_buffer_mb must be > 0, got {self.shuffle_buffer_mb}")
         if self.grad_clip < 0:
@@ -286,7 +292,7 @@ def allreduce_grads(params: list[torch.nn.Parameter], world: int) -> None:
 
 
 def train_step(
-    forward,
+    loss_fn,
     params,
     optimizer,
     batch,
@@ -297,14 +303,15 @@ def train_step(
     precision: str = "auto",
     world: int = 1,
 ) -> float:
-    """One optimizer step of the active parameters; returns this rank's loss."""
+    """One optimizer step of the active parameters; returns this rank's loss.
+
+    loss_fn(x, labels) -> mean loss: x the batch's ids (B, S) or hidden (B, S, H), on `device`."""
     x, labels = batch
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
     optimizer.zero_grad(set_to_none=True)
     with autocast(device, precision):
-        logits = forward(x.to(device))
-    loss = lm_loss(logits, labels.to(device))
+        loss = loss_fn(x.to(device), labels.to(device))
     loss.backward()
     allreduce_grads(params, world)
     if cfg.grad_clip:

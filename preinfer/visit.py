@@ -22,7 +22,7 @@ from preinfer.adapters import forward_blocks
 from preinfer.checkpoint import Checkpoint, trainable_parameters
 from preinfer.config import Config
 from preinfer.device import autocast
-from preinfer.evaluation import lm_loss
+from preinfer.loss import blocks_loss
 from preinfer.trainer import (
     CacheBatches,
     TokenBatches,
@@ -137,14 +137,14 @@ class Visit:
         self.model.train(cfg.model.dropout > 0)
         self._data()
 
-    # (B, S) ids or (B, S, H) hidden entering block K  ->  (B, S, V) logits
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.from_cache or self.spec.mode == "full" or self.K == 0:
-            start = self.K if self.from_cache else 0
-            return forward_blocks(self.adapter, self.part, x, start, self.M)
-        with torch.no_grad():  # bcd-recompute: the frozen prefix, rerun every step
-            hidden = forward_blocks(self.adapter, self.part, x, 0, self.K)
-        return forward_blocks(self.adapter, self.part, hidden, self.K, self.M)
+    # x: (B, S) ids or (B, S, H) hidden entering block K; labels (B, S)  ->  mean loss
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        start = self.K if self.from_cache else 0
+        if self.spec.mode == "bcd-recompute" and self.K > 0:
+            with torch.no_grad():  # the frozen prefix, rerun every step
+                x = forward_blocks(self.adapter, self.part, x, 0, self.K)
+            start = self.K
+        return blocks_loss(self.adapter, self.part, x, labels, start, self.cfg.train.loss_chunk)
 
     def _data(self) -> None:
         cfg, spec = self.cfg, self.spec
@@ -194,8 +194,8 @@ class Visit:
             if nb and i >= nb:
                 break
             with autocast(self.device, self.cfg.run.precision):
-                logits = self.forward(x.to(self.device))
-            total += lm_loss(logits, labels.to(self.device)).item() * labels.numel()
+                loss = self.loss(x.to(self.device), labels.to(self.device))
+            total += loss.item() * labels.numel()
             count += labels.numel()
         self.model.train(was)
         return total / max(count, 1)
@@ -234,7 +234,7 @@ class Visit:
             batch = next(data)
             loss = self._mean(
                 train_step(
-                    self.forward,
+                    self.loss,
                     self.params,
                     opt,
                     batch,
