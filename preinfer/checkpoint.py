@@ -17,28 +17,41 @@ The directory may be an object-store URL (s3://bucket/prefix, storage/fs.py). Ea
 ONE PUT (atomic: never visible half-written) in the same order: new block file, then
 checkpoint.json (the commit point), then the old file's delete. `init_checkpoint` writes the
 block files straight under the prefix and checkpoint.json last (no directory rename there).
+
+Here: `Checkpoint`, an opened checkpoint (what its index says, reading and hash-checking blocks,
+committing one block). The format itself (constants, file names, the index, atomic file writes)
+is in preinfer/checkpoint_format.py, creating a checkpoint (`init_checkpoint`) in
+preinfer/checkpoint_init.py; their public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
-from safetensors.torch import save_file
 from torch import nn
 
 from preinfer.adapters import Adapter, get_adapter
-from preinfer.confload import from_dict, to_dict
-from preinfer.fingerprint import chain, hash_obj, tensors_hash
+from preinfer.checkpoint_format import (
+    _PLAIN_BLOCK_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX,
+    CheckpointError,
+    _block_file_name,
+    _cpu_state,
+    _spec,
+    _stable_hf,
+    _write_block_file,
+    _write_json_atomic,
+)
+from preinfer.checkpoint_init import init_checkpoint  # noqa: F401  (re-exported)
+from preinfer.confload import from_dict
+from preinfer.fingerprint import chain, tensors_hash
 from preinfer.modeling import ModelConfig, build_model, materialise
 from preinfer.partition import (  # noqa: F401  (trainable_*: re-exported, used by the trainer)
     Partition,
@@ -49,150 +62,6 @@ from preinfer.partition import (  # noqa: F401  (trainable_*: re-exported, used 
     trainable_parameters,
 )
 from storage import fs
-
-FORMAT = "preinfer-checkpoint"
-FORMAT_VERSION = 1
-INDEX = "checkpoint.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, incomplete, tampered with, or used wrongly."""
-
-
-# ---- small atomic-write helpers (same pattern as storage/atomic.py, no storage import) ----
-
-
-def _tmp_beside(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    if fs.is_url(path):  # one PUT: atomic on an object store
-        fs.put(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-        return
-    tmp = _tmp_beside(path)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _write_block_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    if fs.is_url(path):  # one PUT: atomic on an object store
-        fs.put(path, save_safetensors({k: v.contiguous() for k, v in tensors.items()}, meta))
-        return
-    tmp = _tmp_beside(path)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-_PLAIN_BLOCK_FILE = re.compile(r"block_[0-9]+-[0-9a-f]+\.safetensors")
-
-
-def _block_file_name(b: int, digest: str) -> str:
-    return f"block_{b:03d}-{digest[:8]}.safetensors"
-
-
-def _spec(t: torch.Tensor) -> list:
-    return [str(t.dtype).removeprefix("torch."), list(t.shape)]
-
-
-def _cpu_state(tensors: dict[str, torch.Tensor], names: list[str], what: str) -> dict:
-    out = {}
-    for n in names:
-        t = tensors[n]
-        if t.is_meta:
-            raise CheckpointError(f"{what}: tensor {n} is not loaded (meta); load its block first")
-        out[n] = t.detach().to("cpu").contiguous()
-    return out
-
-
-# ---- the index ----
-
-
-def _make_index(model_cfg: ModelConfig, model: nn.Module, adapter: Adapter, partition: Partition,
-                states: list[dict[str, torch.Tensor]]) -> dict:  # fmt: skip
-    tied = adapter.tied()
-    owners = sorted(set(tied.values()))
-    all_state = {n: t for s in states for n, t in s.items()}
-    info = getattr(model, "init_info", {})
-    hf = getattr(model, "config", None)
-    blocks = []
-    for b, state in enumerate(states):
-        digest = tensors_hash(state)
-        blocks.append({
-            "file": _block_file_name(b, digest),
-            "hash": digest,
-            "num_params": sum(t.numel() for t in state.values()),
-            "tensors": sorted(state),
-            "specs": {n: _spec(t) for n, t in sorted(state.items())},
-        })  # fmt: skip
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "generation": 0,
-        "arch": model_cfg.arch,
-        "model_config": to_dict(model_cfg),
-        "hf_config": hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else None,
-        "dims": {
-            "num_layers": adapter.num_layers,
-            "hidden_size": adapter.hidden_size,
-            "vocab_size": adapter.vocab_size,
-            "max_positions": adapter.max_positions,
-        },
-        "partition": partition.to_dict(),
-        "blocks": blocks,
-        "tied": tied,
-        # per-tensor hashes of tied owners: a block that reads only the tied tensor verifies it
-        "tied_hashes": {o: tensors_hash({o: all_state[o]}) for o in owners},
-        "init": {
-            "source": info.get("source", "random"),
-            "checkpoint": info.get("checkpoint"),
-            "fresh": sorted({tied.get(n, n) for n in info.get("fresh", [])}),
-            "unused": list(info.get("unused", [])),
-        },
-    }
-
-
-# HF config keys that say where/with what it was made, not what the model is
-_VOLATILE_HF_KEYS = ("transformers_version", "_name_or_path")
-
-
-def _stable_hf(hf: dict) -> dict:
-    return {k: v for k, v in hf.items() if k not in _VOLATILE_HF_KEYS}
-
-
-def _content_key(index: dict) -> str:
-    """What makes two checkpoints "the same": architecture, partition and every block's bytes."""
-    hf = _stable_hf(index["hf_config"] or {})
-    return hash_obj({
-        "model_config": index["model_config"],
-        "hf_config": hf,
-        "partition": index["partition"],
-        "tied": index["tied"],
-        "blocks": [b["hash"] for b in index["blocks"]],
-    })  # fmt: skip
 
 
 class Checkpoint:
@@ -478,92 +347,3 @@ class Checkpoint:
         self.index = new
         old.unlink(missing_ok=True)
         return digest
-
-
-def init_checkpoint(
-    model_cfg: ModelConfig, num_blocks: int, out_dir: str | Path, *, force: bool = False
-) -> Checkpoint:
-    """Build the model of `model_cfg`, cut it into `num_blocks` blocks and write the checkpoint.
-
-    Written into a temp dir beside `out_dir` and renamed into place, so a crash never leaves a
-    directory that looks complete. An existing checkpoint with the same content is reused; a
-    different one is an error unless force=True, which writes the new block files beside the old
-    ones and replaces checkpoint.json atomically (then deletes files no longer referenced)."""
-    fs.check(out_dir, "checkpoint")
-    out = fs.path(out_dir)
-    if not fs.is_url(out) and out.exists() and not out.is_dir():
-        raise CheckpointError(f"checkpoint path {out} is a file; choose a directory")
-    model = build_model(model_cfg)
-    adapter = get_adapter(model, model_cfg.arch)
-    partition = partition_model(adapter, num_blocks)
-    tensors = adapter.tensors()
-    states = [
-        _cpu_state(tensors, block_tensor_names(adapter, partition, b), f"block {b}")
-        for b in range(partition.num_blocks)
-    ]
-    index = _make_index(model_cfg, model, adapter, partition, states)
-    if (out / INDEX).exists():
-        existing = Checkpoint.open(out)
-        if _content_key(existing.index) == _content_key(index):
-            return existing
-        if not force:
-            raise CheckpointError(
-                f"{out} holds a different checkpoint (other config, partition or trained "
-                "weights); use another run.checkpoint dir, or force (`preinfer init --force`) to "
-                "replace it"
-            )
-        referenced = {b["file"]: b["hash"] for b in existing.index["blocks"]}
-        for blk, state in zip(index["blocks"], states, strict=True):
-            if referenced.get(blk["file"]) == blk["hash"]:
-                continue  # the same bytes are already there under this name
-            if blk["file"] in referenced:
-                raise CheckpointError(f"hash prefix collision on {blk['file']}; cannot replace")
-            _write_block_file(out / blk["file"], state, {"hash": blk["hash"]})
-        index["generation"] = existing.index.get("generation", 0) + 1
-        _write_json_atomic(out / INDEX, index)
-        keep = {b["file"] for b in index["blocks"]}
-        for f in referenced:
-            if f not in keep:
-                (out / f).unlink(missing_ok=True)
-        return Checkpoint.open(out)
-    if fs.is_url(out):
-        return _init_remote(out, index, states)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(
-            f"{out} exists, is not empty and holds no {INDEX}: it is not a preinfer checkpoint "
-            "(or an interrupted copy of one); remove it or choose another directory"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial"
-    tmp.mkdir()
-    try:
-        for blk, state in zip(index["blocks"], states, strict=True):
-            _write_block_file(tmp / blk["file"], state, {"hash": blk["hash"]})
-        _write_json_atomic(tmp / INDEX, index)
-        os.replace(tmp, out)  # onto a missing or empty directory: atomic on POSIX
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        # a concurrent init of the same config won the rename: its checkpoint is ours
-        if isinstance(e, OSError) and (out / INDEX).is_file():
-            winner = Checkpoint.open(out)
-            if _content_key(winner.index) == _content_key(index):
-                return winner
-        raise
-    _fsync_dir(out.parent)
-    return Checkpoint.open(out)
-
-
-def _init_remote(out, index: dict, states: list[dict[str, torch.Tensor]]) -> Checkpoint:
-    """A new checkpoint under an object-store prefix: block files (content-hash names, one PUT
-    each), then checkpoint.json last; a prefix without it is incomplete. Leftover block files
-    of an interrupted init are overwritten (same names = same bytes) or left unreferenced."""
-    others = [p.name for p in out.iterdir() if not p.name.startswith("block_")]
-    if others:
-        raise CheckpointError(
-            f"{out} is not empty and holds no {INDEX} (found {others[:3]}): it is not a preinfer "
-            "checkpoint; remove those objects or choose another prefix"
-        )
-    for blk, state in zip(index["blocks"], states, strict=True):
-        _write_block_file(out / blk["file"], state, {"hash": blk["hash"]})
-    _write_json_atomic(out / INDEX, index)  # the commit point
-    return Checkpoint.open(out)

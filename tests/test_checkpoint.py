@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 import preinfer.checkpoint as ckmod
+import preinfer.checkpoint_init as ckinit
 from conftest import tiny_input_ids, tiny_model_config
 from preinfer.adapters import AdapterError, forward_blocks, get_adapter
 from preinfer.checkpoint import INDEX, Checkpoint, CheckpointError, init_checkpoint
@@ -148,10 +149,10 @@ def test_commit_is_atomic_when_the_index_write_fails(gpt2, monkeypatch):
             raise OSError("simulated crash before the index is replaced")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(ckmod.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="simulated"):
         ck.commit_block(2, state)
-    monkeypatch.setattr(ckmod.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     after = Checkpoint.open(ck.path)
     assert after.block_hash(2) == old_hash and old_file.exists()
     reloaded, _ = after.load([2])  # still the old, hash-valid weights
@@ -229,7 +230,7 @@ def test_init_crash_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
     def boom(path, obj):
         raise OSError("simulated crash while writing the index")
 
-    monkeypatch.setattr(ckmod, "_write_json_atomic", boom)
+    monkeypatch.setattr(ckinit, "_write_json_atomic", boom)
     with pytest.raises(OSError, match="simulated"):
         init_checkpoint(tiny_model_config("sequential"), 2, tmp_path / "ck")
     assert list(tmp_path.iterdir()) == []
@@ -308,7 +309,7 @@ def test_concurrent_init_of_the_same_config_returns_the_winner(tmp_path, monkeyp
             shutil.copytree(winner.path, dst)
         return real_replace(src, dst)
 
-    monkeypatch.setattr(ckmod.os, "replace", lose)
+    monkeypatch.setattr(os, "replace", lose)
     got = init_checkpoint(cfg, 2, tmp_path / "ck")
     assert got.index == winner.index
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "won"]  # no temp dir left
