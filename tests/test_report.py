@@ -252,7 +252,7 @@ def test_report_real_tiny_run(tiny_run):
 
 
 def test_cache_sizes_never_read_outside_the_cache_root(tmp_path):
-    from pipelines.report import _cache_info
+    from pipelines.report_data import _cache_info
 
     root = tmp_path / "cache"
     (root / "ab12cd34").mkdir(parents=True)
