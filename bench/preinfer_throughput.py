@@ -8,12 +8,19 @@ In one run on one machine, over the demo model cut into one block per layer:
   forward of blocks 0..K-1 in the same dtype and micro-batch, on all threads of this process;
 - 1 vs 2 actors;
 - refresh of boundary K from K-1 vs build of K from tokens, for K = 2 and 3 (ideal ≈ 1/K of
-  the compute when blocks are equal; the ideal from bare forwards is printed beside it).
+  the compute when blocks are equal; the ideal from bare forwards is printed beside it), end to
+  end and in worker seconds (the actors' summed per-shard read + compute + write time: what
+  grows with the data, without the job's fixed actor start-up, planning and manifest).
+
+The demo blocks are one layer of H=128: a shard's encode/decode (blosc-zstd) costs a good part
+of a block's compute there. `--set model.hidden_size=512 model.num_heads=8 --arms refresh`
+measures the same on blocks with more compute per stored byte (own work dir per --set).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import statistics
@@ -70,14 +77,25 @@ def bare_forward(cfg, block: int, first: int = 0) -> float:
     return time.perf_counter() - t0
 
 
-def timed_build(cfg, block: int, fn=build_cache) -> float:
-    """Seconds of one build (or refresh) of boundary `block`, its old caches removed first."""
+PHASES = ("read_s", "compute_s", "write_s")  # pipelines.preinfer.PHASES
+
+
+def timed_build(cfg, block: int, fn=build_cache, phases: list | None = None) -> float:
+    """Seconds of one build (or refresh) of boundary `block`, its old caches removed first;
+    appends the workers' summed phase seconds ({read_s, compute_s, write_s}) to `phases`."""
     for p in plan_caches(cfg, block, create=False):
         shutil.rmtree(Path(cfg.cache.root) / p.fingerprint, ignore_errors=True)
     t0 = time.perf_counter()
     res = fn(cfg, block, log=quiet)
     assert res["action"] in ("built", "refreshed"), res
+    if phases is not None:
+        phases.append({k: res[k] for k in PHASES})
     return time.perf_counter() - t0
+
+
+def worker_seconds(phases: list[dict]) -> float:
+    """Median over runs of the workers' summed read + compute + write seconds."""
+    return statistics.median(sum(p.values()) for p in phases)
 
 
 def ensure_current(cfg, block: int) -> None:
@@ -86,13 +104,17 @@ def ensure_current(cfg, block: int) -> None:
 
 
 def run(args) -> dict:
-    work = Path(args.work) / f"docs{args.documents}"  # one token set per workload size
+    tag = f"docs{args.documents}"  # one token set (and checkpoint) per workload
+    if args.set:
+        tag += "-" + hashlib.sha256(" ".join(args.set).encode()).hexdigest()[:8]
+    work = Path(args.work) / tag
     over = [
         f"run.dir={work}",
         f"data.max_documents={args.documents}",
         "partition.num_blocks=6",
         f"preinfer.micro_batch={args.micro_batch}",
         f"cache.dtype={args.dtype}",
+        *args.set,
     ]
     cfg = load_config(args.config, over)
     run_tokenize(cfg, log=quiet)
@@ -106,42 +128,50 @@ def run(args) -> dict:
         return statistics.median(fn() for _ in range(n))
 
     K = args.block
-    bare = med(lambda: bare_forward(cfg, K))
-    for actors in (2, 1):
-        c = load_config(args.config, [*over, f"preinfer.actors={actors}"])
-        rows[f"build K={K}, {actors} actor(s)"] = med(lambda c=c: timed_build(c, K))
-    rows[f"bare forward K={K} ({threads} threads)"] = bare
+    headline: dict = {"tokens": ntok}
+    bare = None
+    if "throughput" in args.arms:
+        bare = med(lambda: bare_forward(cfg, K))
+        for actors in (2, 1):
+            c = load_config(args.config, [*over, f"preinfer.actors={actors}"])
+            rows[f"build K={K}, {actors} actor(s)"] = med(lambda c=c: timed_build(c, K))
+        rows[f"bare forward K={K} ({threads} threads)"] = bare
+        b2, b1 = rows[f"build K={K}, 2 actor(s)"], rows[f"build K={K}, 1 actor(s)"]
+        headline["build (2 actors) / bare forward (target >= 0.85)"] = bare / b2
+        headline["2 actors / 1 actor speed"] = b1 / b2
     refresh = {}
-    for k in (2, 3):
+    for k in (2, 3) if "refresh" in args.arms else ():
         ensure_current(cfg, k - 1)  # the refresh's source stays; only boundary k is redone
-        build_t = med(lambda k=k: timed_build(cfg, k))
-        refresh_t = med(lambda k=k: timed_build(cfg, k, refresh_cache))
+        bp: list[dict] = []
+        rp: list[dict] = []
+        build_t = med(lambda k=k, bp=bp: timed_build(cfg, k, phases=bp))
+        refresh_t = med(lambda k=k, rp=rp: timed_build(cfg, k, refresh_cache, rp))
         ideal = bare_forward(cfg, k, first=k - 1) / bare_forward(cfg, k)
         refresh[k] = {
             "build_s": build_t,
             "refresh_s": refresh_t,
             "refresh_over_build": refresh_t / build_t,
+            "build_worker_s": worker_seconds(bp),
+            "refresh_worker_s": worker_seconds(rp),
+            "worker_refresh_over_build": worker_seconds(rp) / worker_seconds(bp),
+            "build_phases": bp,
+            "refresh_phases": rp,
             "ideal_bare": ideal,
             "one_over_k": 1 / k,
         }
-    b2, b1 = rows[f"build K={K}, 2 actor(s)"], rows[f"build K={K}, 1 actor(s)"]
-    headline = {
-        "tokens": ntok,
-        "build (2 actors) / bare forward (target >= 0.85)": bare / b2,
-        "2 actors / 1 actor speed": b1 / b2,
-        **{f"refresh/build K={k} (ideal {r['ideal_bare']:.2f})": r["refresh_over_build"]
-           for k, r in refresh.items()},
-    }  # fmt: skip
+        headline[f"refresh/build K={k} (ideal {ideal:.2f})"] = refresh_t / build_t
+        headline[f"refresh/build K={k}, worker seconds"] = refresh[k]["worker_refresh_over_build"]
     return {
         "bench": "preinfer_throughput",
         "headline": headline,
         "tokens": ntok,
         "dtype": args.dtype,
+        "set": args.set,
         "threads": threads,
         "block": K,
         "seconds": rows,
         "tokens_per_s": {k: ntok / v for k, v in rows.items()},
-        "build_over_bare": {k: (ntok / v) / (ntok / bare) for k, v in rows.items()},
+        "build_over_bare": {k: (ntok / v) / (ntok / bare) for k, v in rows.items()} if bare else {},
         "refresh": refresh,
         "repeats": args.repeats,
     }
@@ -150,24 +180,31 @@ def run(args) -> dict:
 def table(res: dict) -> str:
     lines = [
         f"workload: {res['tokens']:,} tokens (train+val), dtype {res['dtype']}, "
-        f"medians of {res['repeats']}",
-        "",
-        "| arm | seconds | tokens/s | vs bare forward |",
-        "|---|---|---|---|",
+        f"medians of {res['repeats']}"
+        + (f", overrides: {' '.join(res['set'])}" if res.get("set") else ""),
     ]
+    if res["seconds"]:
+        lines += ["", "| arm | seconds | tokens/s | vs bare forward |", "|---|---|---|---|"]
     for k, s in res["seconds"].items():
         lines.append(
             f"| {k} | {s:.1f} | {res['tokens_per_s'][k]:,.0f} | {res['build_over_bare'][k]:.2f} |"
         )
-    lines += [
-        "",
-        "| boundary K | build s | refresh s | refresh/build | ideal (bare) | 1/K |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines += (
+        []
+        if not res["refresh"]
+        else [
+            "",
+            "| boundary K | build s | refresh s | refresh/build | worker s build | worker s refresh "
+            "| refresh/build (worker s) | ideal (bare) | 1/K |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    )
     for k, r in res["refresh"].items():
         lines.append(
             f"| {k} | {r['build_s']:.1f} | {r['refresh_s']:.1f} | "
-            f"{r['refresh_over_build']:.2f} | {r['ideal_bare']:.2f} | {r['one_over_k']:.2f} |"
+            f"{r['refresh_over_build']:.2f} | {r['build_worker_s']:.1f} | "
+            f"{r['refresh_worker_s']:.1f} | {r['worker_refresh_over_build']:.2f} | "
+            f"{r['ideal_bare']:.2f} | {r['one_over_k']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -183,6 +220,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--work", default="/tmp/preinfer-bench-throughput")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="200 documents (make bench)")
+    ap.add_argument("--set", nargs="+", default=[], help="config overrides (e.g. a wider model)")
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        default=["throughput", "refresh"],
+        choices=["throughput", "refresh"],
+        help="throughput: build vs bare forward, 1 vs 2 actors; refresh: refresh vs build",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.documents = min(args.documents, 200)

@@ -13,8 +13,10 @@ command resumes: shards with a valid done marker are skipped.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
 from preinfer.confload import ConfigError
 from preinfer.fingerprint import cache_fingerprint
-from storage import fs
+from storage import codecs, fs
 from storage.tokens import TokenStore
 
 SPLITS = ("train", "val")
@@ -34,6 +36,7 @@ FAULT_ENV = (
     "PREINFER_TEST_DIE_ONCE"  # test-only: path of a marker; the first task to see it absent dies
 )
 SLOW_ENV = "PREINFER_TEST_SHARD_DELAY_S"  # test-only: each shard task sleeps this long first
+PHASES = ("read_s", "compute_s", "write_s")  # a shard's seconds: source rows, blocks, write_shard
 
 
 @dataclass(kw_only=True)
@@ -200,6 +203,9 @@ class PrefixWorker:
         self._open_writer = CacheWriter.open
         self._writers: dict[str, CacheWriter] = {}  # by fingerprint of the cache being written
         self._sources: dict = {}  # fingerprint -> open boundary-(block-1) cache (refresh)
+        # [0] reads the next shard's input, [1] encodes + writes the last computed shard
+        self._lock = threading.Lock()
+        self._helpers = [ThreadPoolExecutor(1, thread_name_prefix=n) for n in ("input", "write")]
 
     def _maybe_die(self) -> None:
         time.sleep(float(os.environ.get(SLOW_ENV) or 0))  # test-only (a node killed mid-build)
@@ -221,28 +227,71 @@ class PrefixWorker:
         return torch.cat(outs)
 
     def __call__(self, batch: dict) -> dict:
-        out = {"fingerprint": [], "shard": [], "rows": [], "seconds": []}
-        for fp, shard in zip(batch["fingerprint"], batch["shard"], strict=True):
-            self._maybe_die()
-            t0 = time.perf_counter()
+        """Compute and write the batch's shards; every one is written and committed (marker
+        on disk) before this returns. Pipelined on two helper threads: the next shard's input
+        is read (and decompressed) while this one computes, and a computed shard is encoded
+        and written while the next computes (one in flight: memory stays ~3 shards)."""
+        items = [(fp, int(s)) for fp, s in zip(batch["fingerprint"], batch["shard"], strict=True)]
+        out = {k: [] for k in ("fingerprint", "shard", "rows", "seconds", *PHASES)}
+        writing: Future | None = None
+        try:
+            nxt = self._helpers[0].submit(self._input, *items[0])
+            for j, (fp, shard) in enumerate(items):
+                self._maybe_die()
+                t0 = time.perf_counter()
+                x, rows, read_s = nxt.result()
+                if j + 1 < len(items):
+                    nxt = self._helpers[0].submit(self._input, *items[j + 1])
+                t1 = time.perf_counter()
+                hidden = self._compute(x)
+                t2 = time.perf_counter()
+                if writing is not None:
+                    out["write_s"].append(writing.result())  # the previous shard is committed
+                writing = self._helpers[1].submit(self._write, fp, shard, hidden)
+                out["fingerprint"].append(fp)
+                out["shard"].append(shard)
+                out["rows"].append(rows)
+                out["seconds"].append(t2 - t0)  # + its write, below
+                out["read_s"].append(read_s)
+                out["compute_s"].append(t2 - t1)
+            out["write_s"].append(writing.result())
+            writing = None
+        finally:
+            if writing is not None:
+                writing.exception()  # an error elsewhere: let the write finish (or fail) first
+        out["seconds"] = [s + w for s, w in zip(out["seconds"], out["write_s"], strict=True)]
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def _writer(self, fp: str):
+        with self._lock:  # the helper threads ask too
             if fp not in self._writers:
                 self._writers[fp] = self._open_writer(self.cfg.cache.root, fp)
-            writer = self._writers[fp]
-            start, stop = writer.shard_range(int(shard))
-            if self.first == 0:
-                ids = torch.from_numpy(
-                    np.array(writer.read_input_ids(start, stop))
-                ).long()  # (n, S)
-                hidden = self._compute(ids)
-            else:
-                src = self._source(fp)
-                hidden = self._compute(src.read_rows(start, stop, dtype=self.dtype)[0])
-            writer.write_shard(int(shard), hidden)
-            out["fingerprint"].append(fp)
-            out["shard"].append(int(shard))
-            out["rows"].append(stop - start)
-            out["seconds"].append(time.perf_counter() - t0)
-        return {k: np.asarray(v) for k, v in out.items()}
+            return self._writers[fp]
+
+    def _input(self, fp: str, shard: int) -> tuple[torch.Tensor, int, float]:
+        """(input rows of shard `shard` of cache `fp`, their count, seconds): token ids (n, S)
+        long for a build, boundary-(block-1) hidden (n, S, H) for a refresh."""
+        t0 = time.perf_counter()
+        start, stop = self._writer(fp).shard_range(shard)
+        if self.first == 0:
+            ids = self._writer(fp).read_input_ids(start, stop)
+            x = torch.from_numpy(np.array(ids)).long()  # (n, S)
+        else:
+            x = self._read_source(fp, start, stop)  # (n, S, H) in the cache dtype
+        return x, stop - start, time.perf_counter() - t0
+
+    def _write(self, fp: str, shard: int, hidden: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        self._writer(fp).write_shard(shard, hidden)
+        return time.perf_counter() - t0
+
+    def _read_source(self, fp: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the boundary-(block-1) cache as (n, S, H) in the cache dtype:
+        its stored values only (no labels), a view of them when they are stored in that dtype
+        (bf16 bits, fp16, fp32: no decode to fp32 and back)."""
+        src = self._source(fp)
+        stored, scale = src.read_stored(start, stop)
+        return codecs.decode(stored, scale, src.dtype, self.dtype)
 
     def _source(self, fp: str):
         from storage.reader import open_cache
@@ -253,6 +302,16 @@ class PrefixWorker:
                 self.cfg.cache.root, src_fp, expected_fingerprint=src_fp
             )
         return self._sources[src_fp]
+
+
+SHARDS_PER_TASK = int(os.environ.get("PREINFER_SHARDS_PER_TASK") or 2)
+
+
+def shards_per_task(shards: int, actors: int) -> int:
+    """Shards per actor call: SHARDS_PER_TASK (a call pipelines its shards: the next input is
+    read while one computes, the last is written while the next computes), fewer when there
+    are under two calls per actor (so no actor idles while another works through a long call)."""
+    return max(1, min(SHARDS_PER_TASK, shards // (2 * actors)))
 
 
 def _run_workers(
@@ -271,12 +330,13 @@ def _run_workers(
 
     items = [{"fingerprint": p.fingerprint, "shard": s} for p in plans for s in p.missing]
     if not items:
-        return {"shards": 0, "rows": 0, "seconds": 0.0}
+        return {"shards": 0, "rows": 0, "seconds": 0.0, **dict.fromkeys(PHASES, 0.0)}
     ensure_ray()
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     pool = min(cfg.preinfer.actors, len(items))
+    per_task = shards_per_task(len(items), pool)
     env = {k: os.environ[k] for k in (FAULT_ENV, SLOW_ENV) if k in os.environ}
     with warnings.catch_warnings():
         # restart/retry bounds are only accepted as (deprecated) free-form remote args
@@ -289,7 +349,7 @@ def _run_workers(
                 "first": first,
                 "sources": sources,
             },
-            batch_size=1,
+            batch_size=per_task,
             compute=ray.data.ActorPoolStrategy(size=pool),
             runtime_env={"env_vars": env} if env else None,
             max_restarts=cfg.preinfer.max_restarts,
@@ -298,14 +358,17 @@ def _run_workers(
         )
     t0 = time.perf_counter()
     rows = shards = 0
+    phases = dict.fromkeys(PHASES, 0.0)
     bar = tqdm(total=len(items), desc=f"preinfer block {block}", unit="shard", disable=None)
     for rec in ds.iter_rows():
         shards += 1
         rows += int(rec["rows"])
+        for k in PHASES:
+            phases[k] += float(rec[k])
         bar.update(1)
         bar.set_postfix(tok_s=f"{rows * seq_len / (time.perf_counter() - t0):,.0f}")
     bar.close()
-    return {"shards": shards, "rows": rows, "seconds": time.perf_counter() - t0}
+    return {"shards": shards, "rows": rows, "seconds": time.perf_counter() - t0, **phases}
 
 
 def _finish(cfg: Config, plans: list[CachePlan]) -> None:
@@ -387,5 +450,7 @@ def _log_done(log, what, block, plans, stats, todo, seq_len) -> None:
     tok_s = stats["rows"] * seq_len / max(stats["seconds"], 1e-9)
     log(
         f"cache {what}: boundary {block}: {stats['shards']}/{todo} shards, {stats['rows']} samples "
-        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s) -> {_fps(plans)}"
+        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s; worker seconds: "
+        + ", ".join(f"{k[:-2]} {stats[k]:.1f}" for k in PHASES)
+        + f") -> {_fps(plans)}"
     )

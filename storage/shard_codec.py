@@ -62,6 +62,26 @@ def _thread_pool() -> ThreadPoolExecutor | None:
     return _pool[1]
 
 
+def _map(fn, items) -> list:
+    """[fn(x) for x in items], split into CODEC_THREADS contiguous runs: one run in this thread,
+    the others on the pool (a few tasks per shard, not one per chunk: per-task overhead, under
+    the GIL, cost more than a chunk's work on a busy machine)."""
+    n = len(items)
+    pool = _thread_pool() if n >= 4 else None
+    if pool is None:
+        return [fn(x) for x in items]
+    k = min(CODEC_THREADS, n)
+    cut = [n * j // k for j in range(k + 1)]
+    futs = [
+        pool.submit(lambda a, b: [fn(x) for x in items[a:b]], cut[j], cut[j + 1])
+        for j in range(1, k)
+    ]
+    out = [fn(x) for x in items[: cut[1]]]
+    for f in futs:
+        out += f.result()
+    return out
+
+
 def _compressor(spec: dict):
     """numcodecs codec built exactly as zarr's ZstdCodec / BloscCodec build theirs."""
     name, conf = spec["name"], spec.get("configuration") or {}
@@ -201,9 +221,7 @@ class ShardCodec:
             chunks = [flat.reshape(-1)]
             sizes = np.full(n, self.chunk_nbytes, np.uint64)
         else:
-            enc = self.compressor.encode
-            pool = _thread_pool() if n >= 4 else None
-            chunks = list(pool.map(enc, flat)) if pool else [enc(c) for c in flat]
+            chunks = _map(self.compressor.encode, flat)
             sizes = np.fromiter(map(len, chunks), np.uint64, n)
         index = np.full((self.rows, 2), MAX_U64, np.uint64)
         offsets = np.zeros(n, np.uint64)
@@ -264,7 +282,6 @@ class ShardCodec:
                 todo.append((chunk, flat[k]))
         if todo:
             dec = self.compressor.decode
-            pool = _thread_pool() if len(todo) >= 4 else None
 
             def one(job):
                 try:
@@ -272,8 +289,7 @@ class ShardCodec:
                 except Exception as e:  # numcodecs raises RuntimeError/ValueError on bad data
                     raise CodecError(f"a chunk does not decompress: {e}") from None
 
-            for _ in pool.map(one, todo) if pool else map(one, todo):
-                pass
+            _map(one, todo)
         return out
 
 

@@ -151,3 +151,58 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
     assert np.array_equal(ids[1, "val"], np.arange(store.num_samples("val")))
     other = {p.split: p.fingerprint for p in plan_caches(tiny_run("train.seed=5"), 1, create=False)}
     assert other["train"] != fps[1]["train"] and other["val"] == fps[1]["val"]
+
+
+def _worker_run(cfg, block, first):
+    """Every missing shard of boundary `block` written by ONE in-process PrefixWorker call
+    per cache (the pipelined path: prefetch + background write), then finalized."""
+    from pipelines.preinfer import PrefixWorker
+    from storage.cache import CacheWriter
+
+    plans = plan_caches(cfg, block)
+    prev = plan_caches(cfg, block - 1, create=False) if first else plans
+    w = PrefixWorker(
+        cfg.to_dict(),
+        block,
+        first,
+        {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)},
+    )
+    for p in plans:
+        out = w({"fingerprint": np.array([p.fingerprint] * len(p.missing)),
+                 "shard": np.array(p.missing)})  # fmt: skip
+        assert list(out["shard"]) == p.missing and (out["write_s"] > 0).all()
+        CacheWriter.open(cfg.cache.root, p.fingerprint).finalize()
+    return {p.split: p.fingerprint for p in plans}
+
+
+def test_worker_call_of_several_shards_equals_ray_build(tiny_run, tmp_path, monkeypatch):
+    from pipelines.preinfer import shards_per_task
+    from storage.cache import CacheWriter
+
+    assert [shards_per_task(n, 2) for n in (1, 3, 4, 8, 39)] == [1, 1, 1, 2, 2]
+    ref = tiny_run(f"cache.root={tmp_path / 'ray'}")
+    build_cache(ref, 1, log=quiet)
+    fps = build_cache(ref, 2, log=quiet)["fingerprints"]
+    cfg = tiny_run(f"cache.root={tmp_path / 'inproc'}")
+    _worker_run(cfg, 1, 0)  # build, boundary 1
+    assert _worker_run(cfg, 2, 1) == fps  # refresh of boundary 2 from it
+    for fp in fps.values():
+        a, b = open_cache(ref.cache.root, fp), open_cache(cfg.cache.root, fp)
+        assert a.verify() == [] and b.verify() == []
+        assert a.manifest["shards"] == b.manifest["shards"]  # same checksums: same bytes
+    # a write failing mid-call: the call raises, shards before it stay committed, no partials
+    bad = tiny_run(f"cache.root={tmp_path / 'bad'}")
+    real = CacheWriter.write_shard
+
+    def fail_second(self, i, hidden):
+        if i == 1:
+            raise OSError(28, "No space left on device")
+        return real(self, i, hidden)
+
+    monkeypatch.setattr(CacheWriter, "write_shard", fail_second)
+    with pytest.raises(OSError, match="No space"):
+        _worker_run(bad, 1, 0)
+    monkeypatch.setattr(CacheWriter, "write_shard", real)
+    train = plan_caches(bad, 1)[0]
+    assert 0 not in train.missing and 1 in train.missing
+    assert not list((tmp_path / "bad").rglob("*.partial"))
