@@ -27,7 +27,6 @@ then their marker, then the manifest last), and "directories" are key prefixes.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -40,91 +39,32 @@ from preinfer.fingerprint import CACHE_FORMAT_VERSION
 from storage import atomic, codecs, fs
 from storage.atomic import checksum_entry, checksum_file, dir_bytes, entry_matches, human
 from storage.config import CacheConfig
-
-FSYNC_MARKERS = False  # see the module docstring
-HIDDEN, SCALE, SAMPLES, BUILD, DONE, MANIFEST = (
-    "hidden.zarr",
-    "scale.zarr",
-    "samples.parquet",
-    "build.json",
-    "done",
-    "manifest.json",
+from storage.layout import (
+    BUILD,
+    DONE,
+    HIDDEN,
+    MANIFEST,
+    SAMPLES,
+    SCALE,
+    CacheCorrupt,
+    CacheError,
+    CacheIncomplete,
+    FingerprintMismatch,
+    check_marker,
+    estimate_cache_bytes,
+    free_disk_bytes,
+    is_complete,
+    read_json,
+    rows_per_shard,
 )
 
+__all__ = [
+    "BUILD", "DONE", "HIDDEN", "MANIFEST", "SAMPLES", "SCALE", "CacheCorrupt", "CacheError",
+    "CacheIncomplete", "CacheWriter", "FingerprintMismatch", "build_manifest", "check_marker",
+    "estimate_cache_bytes", "free_disk_bytes", "is_complete", "read_json", "rows_per_shard",
+]  # fmt: skip
 
-class CacheError(Exception):
-    """The activation cache is missing, wrong or cannot be written; the message says what to do."""
-
-
-class CacheIncomplete(CacheError):
-    """No manifest: the build did not finish (some shards missing)."""
-
-
-class CacheCorrupt(CacheError):
-    """Stored bytes do not match their recorded checksum, or a cache file is unreadable."""
-
-
-class FingerprintMismatch(CacheError):
-    """The cache holds other activations than the caller expects."""
-
-
-# ------------------------------------------------------------------------- small helpers
-
-
-def read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:
-        raise CacheCorrupt(f"{what} {path} is unreadable ({e}); delete it and rebuild") from None
-
-
-def rows_per_shard(seq_len: int, hidden_size: int, dtype: str, shard_mb: float) -> int:
-    """Rows R per shard so that one shard holds about `shard_mb` MiB of stored values."""
-    row = seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
-    return max(1, int(shard_mb * 2**20) // row)
-
-
-def estimate_cache_bytes(n: int, seq_len: int, hidden_size: int, dtype: str) -> int:
-    """Upper bound of a cache's size on disk (uncompressed values + scales + samples + index)."""
-    values = n * seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
-    scale = n * seq_len * 4 if codecs.is_lossy(dtype) else 0
-    samples = n * (8 + 2 * 4 * seq_len)
-    return int(values * 1.01) + scale + samples + n * 32 + (1 << 16)
-
-
-def free_disk_bytes(path: str | Path) -> int:
-    """Free bytes on the filesystem of `path` (or its nearest existing parent); an object
-    store (URL) has no limit to check: fs.UNLIMITED_BYTES."""
-    if fs.is_url(path):
-        return fs.UNLIMITED_BYTES
-    p = Path(path).absolute()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def is_complete(root: str | Path, fingerprint: str) -> bool:
-    """True if `<root>/<fingerprint>` has its manifest (checksums are the reader's job)."""
-    return (fs.path(root) / fingerprint / MANIFEST).is_file()
-
-
-def check_marker(cache_dir: Path, marker: dict, *, verify: bool = True) -> str | None:
-    """None if every file of the marker exists with its size (and checksum if verify); else why."""
-    for rel, want in marker["files"].items():
-        p = cache_dir / rel
-        try:
-            size = p.stat().st_size  # one request on an object store
-        except FileNotFoundError:
-            return f"{rel} is missing"
-        if size != want["bytes"]:
-            return f"{rel} has {size} bytes, marker says {want['bytes']}"
-        if verify and not atomic.file_matches(p, want):
-            return f"{rel} checksum differs from its done marker (bytes changed on disk)"
-    return None
-
-
+FSYNC_MARKERS = False  # see the module docstring
 # ------------------------------------------------------------------------------ the writer
 
 

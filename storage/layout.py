@@ -1,0 +1,93 @@
+"""Names, errors and small helpers of the activation cache layout (storage/cache.py's module
+docstring draws the layout; storage/cache.py re-exports all of this).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from storage import atomic, codecs, fs
+
+HIDDEN, SCALE, SAMPLES, BUILD, DONE, MANIFEST = (
+    "hidden.zarr",
+    "scale.zarr",
+    "samples.parquet",
+    "build.json",
+    "done",
+    "manifest.json",
+)
+
+
+class CacheError(Exception):
+    """The activation cache is missing, wrong or cannot be written; the message says what to do."""
+
+
+class CacheIncomplete(CacheError):
+    """No manifest: the build did not finish (some shards missing)."""
+
+
+class CacheCorrupt(CacheError):
+    """Stored bytes do not match their recorded checksum, or a cache file is unreadable."""
+
+
+class FingerprintMismatch(CacheError):
+    """The cache holds other activations than the caller expects."""
+
+
+# ------------------------------------------------------------------------- small helpers
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CacheCorrupt(f"{what} {path} is unreadable ({e}); delete it and rebuild") from None
+
+
+def rows_per_shard(seq_len: int, hidden_size: int, dtype: str, shard_mb: float) -> int:
+    """Rows R per shard so that one shard holds about `shard_mb` MiB of stored values."""
+    row = seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
+    return max(1, int(shard_mb * 2**20) // row)
+
+
+def estimate_cache_bytes(n: int, seq_len: int, hidden_size: int, dtype: str) -> int:
+    """Upper bound of a cache's size on disk (uncompressed values + scales + samples + index)."""
+    values = n * seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
+    scale = n * seq_len * 4 if codecs.is_lossy(dtype) else 0
+    samples = n * (8 + 2 * 4 * seq_len)
+    return int(values * 1.01) + scale + samples + n * 32 + (1 << 16)
+
+
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem of `path` (or its nearest existing parent); an object
+    store (URL) has no limit to check: fs.UNLIMITED_BYTES."""
+    if fs.is_url(path):
+        return fs.UNLIMITED_BYTES
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def is_complete(root: str | Path, fingerprint: str) -> bool:
+    """True if `<root>/<fingerprint>` has its manifest (checksums are the reader's job)."""
+    return (fs.path(root) / fingerprint / MANIFEST).is_file()
+
+
+def check_marker(cache_dir: Path, marker: dict, *, verify: bool = True) -> str | None:
+    """None if every file of the marker exists with its size (and checksum if verify); else why."""
+    for rel, want in marker["files"].items():
+        p = cache_dir / rel
+        try:
+            size = p.stat().st_size  # one request on an object store
+        except FileNotFoundError:
+            return f"{rel} is missing"
+        if size != want["bytes"]:
+            return f"{rel} has {size} bytes, marker says {want['bytes']}"
+        if verify and not atomic.file_matches(p, want):
+            return f"{rel} checksum differs from its done marker (bytes changed on disk)"
+    return None
