@@ -125,7 +125,7 @@ _BITS = {  # torch float dtype -> (signed int view, unsigned numpy view, exponen
     torch.float16: (torch.int16, np.uint16, 0x7C00),
     torch.float32: (torch.int32, np.uint32, 0x7F800000),
 }
-STATS_SAMPLE_VALUES = 1 << 20  # values a shard's sums come from (about): 2 MiB of bf16
+STATS_SAMPLE_VALUES = 1 << 18  # values a shard's sums come from (about): 512 KiB of bf16
 
 
 def _top_bits(bits: np.ndarray, uv) -> int:
