@@ -6,7 +6,9 @@ visit, each phase a sum of what is alive then:
 
   trainer   backward  weights of the loaded blocks + optimizer state + saved activations,
                       swept from the loss down as activations turn into gradients (the loss
-                      peak holds four logit-sized fp32 tensors: logits, log-softmax, 2 grads)
+                      peak: the fused chunked loss holds one chunk's logits twice in fp32 and
+                      keeps d loss / d (head input, head matrix); the plain loss (loss_chunk
+                      0) holds four logit-sized fp32 tensors: logits, log-softmax, 2 grads)
             step      + all gradients of the active block + the optimizer's temporaries
             eval      + the eval forward (bcd K > 0 on CPU: + the val cache reader)
             load      (CPU) + the checkpoint hash's copy of the largest tensor
@@ -210,6 +212,25 @@ class Setup:
     token_rows: int = 4096
     """Rows of the token-store shard the token reader decodes at once (data.shard_rows)."""
     micro_batch: int = 16
+    loss_chunk: int = 256
+    """Tokens per chunk of the fused LM head + loss (train.loss_chunk); 0 = the plain loss."""
+
+
+# bytes per logit of one chunk of the fused loss (preinfer.loss): the fp32 logits that become
+# the softmax and d loss / d logits in place, and logsumexp's fp32 temporary
+CHUNK_LOGIT = 8
+
+
+def _loss_terms(sh, p: Setup, T: int, matrix_tr: bool) -> tuple[int, int]:
+    """(bytes at the loss's own peak, bytes it keeps alive through backward) for T tokens."""
+    pr = _bytes(p)
+    if not p.loss_chunk:
+        return T * sh.vocab * pr.logit, T * sh.vocab * pr.keep
+    # d loss / d x (T, H) in the head input's dtype (fp32: LayerNorm/RMSNorm outputs fp32 under
+    # autocast) and d loss / d W (V, H) fp32 when the head matrix trains, made in forward
+    keep = 4 * T * sh.hidden + (4 * sh.head_matrix if matrix_tr else 0)
+    peak = min(p.loss_chunk, T) * sh.vocab * CHUNK_LOGIT + keep
+    return peak + (4 * sh.head_matrix if matrix_tr else 0), keep  # + the chunk's dW matmul
 
 
 def _bytes(p: Setup) -> Precision:
@@ -219,33 +240,34 @@ def _bytes(p: Setup) -> Precision:
 def _sweep(sh, layers, trainable, head_norm_tr, matrix_tr, embed_tr, p: Setup):
     """Peak of saved activations + gradients through one forward/backward, and its split.
 
-    Backward walks from the loss down: the loss peak holds every saved activation plus four
-    logit-sized tensors (logits, log-softmax output, and both gradients); then each layer's
-    activations are released as its parameter gradients appear."""
+    Backward walks from the loss down: the loss peak holds every saved activation plus the
+    loss's own peak (_loss_terms); then each layer's activations are released as its parameter
+    gradients appear, while the loss's kept tensors stay."""
     pr, T = _bytes(p), p.batch * p.seq
-    TV = T * sh.vocab
+    loss_peak, loss_keep = _loss_terms(sh, p, T, matrix_tr)
+    matrix_saved = matrix_tr and not p.loss_chunk  # the fused loss saves no head input
     cast = lambda n: pr.cast * n  # noqa: E731  (autocast's bf16 weight copies, saved for bwd)
     acts = []
     for j in layers:
         a = T * layer_act(sh, trainable[j]) * pr.act + cast(sh.layers[j])
         acts.append((a, T * sh.hidden * pr.act + cast(sh.layers[j])) if p.act_recompute else (a, a))
     grads = [pr.grad * sh.layers[j] if trainable[j] else 0 for j in layers]
-    a_head = T * head_act(sh, head_norm_tr, matrix_tr) * pr.act + cast(sh.head_matrix)
+    a_head = T * head_act(sh, head_norm_tr, matrix_saved) * pr.act + cast(sh.head_matrix)
     g_head = pr.grad * ((sh.head if head_norm_tr else 0) + (sh.head_matrix if matrix_tr else 0))
     stored = sum(s for _, s in acts)
-    points = [(stored + a_head + TV * pr.logit, stored + a_head + TV * pr.logit, 0)]
+    points = [(stored + a_head + loss_peak, stored + a_head + loss_peak, 0)]
     live_g = g_head
     ws = T * (2 * sh.hidden + 2 * sh.inter) * pr.act  # gradients flowing through one layer
     for i in range(len(layers) - 1, -1, -1):
         full, kept = acts[i]
         below = sum(s for _, s in acts[:i])
         live_g += grads[i]
-        act = below + full + ws + TV * pr.keep
+        act = below + full + ws + loss_keep
         points.append((act + live_g, act, live_g))
     if embed_tr:  # the embedding gradient (+ a dense V x H scatter buffer when tied)
         e = pr.grad * (sh.embed - (sh.head_matrix if sh.tied else 0))
         extra = pr.grad * sh.head_matrix if sh.tied else 0
-        points.append((live_g + e + extra + TV * pr.keep, TV * pr.keep, live_g + e + extra))
+        points.append((live_g + e + extra + loss_keep, loss_keep, live_g + e + extra))
     return max(points)
 
 
@@ -269,7 +291,8 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
     state = OPT_STATE[p.optimizer] if (p.optimizer != "sgd" or p.momentum) else 0
     opt = (state + pr.master) * n_active
     _, act, grads = _sweep(sh, layers, trainable, head_tr, matrix_tr, embed_tr, p)
-    ev = 2 * p.batch * p.seq * sh.vocab * 4  # eval: logits + log-softmax, no saved activations
+    T = p.batch * p.seq  # eval: logits (a chunk's when fused) + log-softmax, nothing saved
+    ev = 2 * (min(p.loss_chunk, T) if p.loss_chunk else T) * sh.vocab * 4
     from_cache = mode == "bcd" and block > 0
     row = p.seq * sh.hidden * p.cache_dtype_bytes  # one sample as the cache stores it
     # train: the shuffle buffer + the shard being read into it; val (in order): one shard
@@ -430,4 +453,5 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
                  reader_rows=buf_rows, val_rows=max(val_rows, min(B, n_val or B)),
                  cache_dtype_bytes=stored_dtype(cfg.cache.dtype).itemsize, shard_rows=tr_rows,
                  token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
-                 micro_batch=cfg.preinfer.micro_batch)  # fmt: skip
+                 micro_batch=cfg.preinfer.micro_batch,
+                 loss_chunk=cfg.train.loss_chunk)  # fmt: skip
