@@ -189,7 +189,10 @@ class PrefixWorker:
     def __init__(self, cfg_dict: dict, block: int, first: int, sources: dict[str, str]):
         from preinfer.adapters import forward_blocks
         from preinfer.device import resolve_device, torch_dtype
+        from preinfer.hostmem import pin_malloc
         from storage.cache import CacheWriter
+
+        pin_malloc()  # before the fp32 weights load and are cast: a peak RSS run-to-run stable
 
         self.cfg = config_from_dict(cfg_dict)
         self.block, self.first, self.sources = block, first, sources

@@ -13,7 +13,8 @@ visit, each phase a sum of what is alive then:
             eval      + the eval forward (bcd K > 0 on CPU: + the val cache reader)
             load      (CPU) + the checkpoint hash's copy of the largest tensor
   pre-inf.  prefix weights in the cache dtype + one micro-batch's inference working set;
-            on CPU also one shard of outputs (list + concatenation) and its encode
+            on CPU also one shard of outputs (list + concatenation), its input and, pipelined,
+            the next shard's input and the previous shard's encode
 
 Derived (arithmetic): weights, gradients, optimizer state, saved activations — per-layer
 element counts of what autograd keeps for the HF layer implementations with a fused SDPA kernel
@@ -214,6 +215,8 @@ class Setup:
     micro_batch: int = 16
     loss_chunk: int = 256
     """Tokens per chunk of the fused LM head + loss (train.loss_chunk); 0 = the plain loss."""
+    pipelined: bool = True
+    """A pre-inference worker call holds several shards (next input read, last one written)."""
 
 
 # bytes per logit of one chunk of the fused loss (preinfer.loss): the fp32 logits that become
@@ -335,7 +338,10 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
 
 def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool = False) -> dict:
     """Peak bytes of one pre-inference worker producing boundary `block` (build: prefix blocks
-    0..K-1 from tokens; refresh: block K-1 alone from the boundary K-1 cache)."""
+    0..K-1 from tokens; refresh: block K-1 alone from the boundary K-1 cache).
+
+    A worker call pipelines its shards (pipelines/preinfer.py): while shard j computes, shard
+    j+1's input is read and shard j-1 is encoded and written (p.pipelined); else one at a time."""
     cpu = p.target == "cpu"
     blocks = [block - 1] if refresh else list(range(block))
     n = sum(part.block_params[b] for b in blocks)
@@ -343,21 +349,27 @@ def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool
     work = p.micro_batch * p.seq * infer_act(sh) * cb
     shard = p.shard_rows * p.seq * sh.hidden * cb
     phases = {"compute": dict(weights=cb * n, activations=work)}
-    if cpu:  # outputs (list, then concatenated), the encode and a refresh's source: host RAM
-        src = 2 * shard if refresh else 0  # the source shard: stored bytes + decoded
+    if cpu:  # outputs (list, then concatenated), the encode and the inputs: host RAM
+        # a refresh's input: the source shard's stored values (n, S, H), a view in the cache
+        # dtype; a build's: token ids (n, S) int64. Pipelined: the next shard's input too.
+        one_in = shard if refresh else p.shard_rows * p.seq * 8
+        inputs = (2 if p.pipelined else 1) * one_in
+        write = shard + host_io("cache_write", shard)  # the shard being encoded and written
         big = sh.max_tensor if 0 in blocks else sh.max_layer_tensor
         phases = {
             "load": dict(weights=4 * n + 4 * big),  # fp32 from the file + the hash's byte copy
-            "compute": dict(weights=cb * n, activations=CPU_INFER * work, shard=2 * shard + src),
-            "encode": dict(weights=cb * n, shard=shard + host_io("cache_write", shard) + src),
-        }
+            "compute": dict(weights=cb * n, activations=CPU_INFER * work,
+                            shard=2 * shard + inputs + (write if p.pipelined else 0)),
+            "encode": dict(weights=cb * n, shard=write + inputs),
+        }  # fmt: skip
     name, comp = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     comp = {k: comp.get(k, 0) for k in ("weights", "activations", "shard")}
     comp["runtime"] = RUNTIME[("cpu" if cpu else "gpu", "preinfer")]
     return {"stage": f"pre-inference {'refresh' if refresh else 'build'} -> boundary {block}",
             "block": block, "refresh": refresh, "phase": name, "peak": sum(comp.values()),
             "components": comp, "prefix_params": n,
-            "basis": {"weights": cb * n, "work": work, "shard": shard}}  # fmt: skip
+            "basis": {"weights": cb * n, "work": work, "shard": shard, "inputs": inputs if cpu else 0,
+                      "pipelined": p.pipelined}}  # fmt: skip
 
 
 def sharded_full_cards(sh: ModelShape, part, p: Setup, card_bytes: float, global_batch: int,
@@ -424,10 +436,13 @@ def smallest_fitting_m(sh: ModelShape, p: Setup, card_bytes: float) -> dict | No
 def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
               seq: int | None = None, cards: int = 1, precision: str | None = None,
               optimizer: str | None = None, act_recompute: bool = False,
-              n_train: int | None = None, n_val: int | None = None) -> Setup:  # fmt: skip
+              n_train: int | None = None, n_val: int | None = None,
+              pipelined: bool = True) -> Setup:  # fmt: skip
     """The per-card Setup of a config: batch split over `cards` data-parallel replicas, precision
     from run.precision (auto: amp-bf16 on GPU, fp32 on CPU), cache reader/worker buffers from
-    cache.shard_mb (N unknown: assume at least one full shard)."""
+    cache.shard_mb (N unknown: assume at least one full shard). pipelined: pre-inference calls
+    get several shards each (pipelines.preinfer.shards_per_task > 1; True, the larger estimate,
+    when the shard count is not known)."""
     from storage.cache import rows_per_shard
     from storage.codecs import stored_dtype
     from storage.reader import buffer_rows
@@ -454,4 +469,4 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
                  cache_dtype_bytes=stored_dtype(cfg.cache.dtype).itemsize, shard_rows=tr_rows,
                  token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
                  micro_batch=cfg.preinfer.micro_batch,
-                 loss_chunk=cfg.train.loss_chunk)  # fmt: skip
+                 loss_chunk=cfg.train.loss_chunk, pipelined=pipelined)  # fmt: skip

@@ -1,0 +1,63 @@
+"""Host memory: make a worker's resident set track what it holds (glibc malloc settings).
+
+glibc serves a large allocation with its own mmap and returns it to the OS on free, but after
+each such free it raises the mmap threshold to that block's size (up to 32 MiB): from then on
+blocks below the new threshold come from the heap, where freed ones stay resident and fragment.
+For a process that frees fp32 weights after casting them and streams shard-sized buffers, the
+peak RSS then depends on the order allocations happened in (threads, timing): a gpt2-small
+pre-inference worker peaked anywhere from 364 to 555 MB over identical runs on 2 CPUs. A fixed
+threshold stops the adjustment: every block >= `threshold` is mmapped and returned on free, and
+the same runs peaked at 326 MB, every time (bench/plan_accuracy.py's child, --arm preinfer).
+
+    pin_malloc()   # once, early in a worker process; a no-op where glibc is not the allocator
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+DEFAULT_THRESHOLD = 4 * 2**20
+ENV = "PREINFER_MALLOC_MMAP_THRESHOLD"  # bytes; 0 = leave glibc's dynamic threshold alone
+
+_pinned: int | None = None
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
+def pin_malloc(threshold: int | None = None) -> int | None:
+    """Fix glibc's mmap threshold at `threshold` bytes (default: $PREINFER_MALLOC_MMAP_THRESHOLD,
+    else 4 MiB) and trim the heap; returns the threshold set, or None (not glibc, or 0 = off)."""
+    global _pinned
+    if threshold is None:
+        raw = os.environ.get(ENV, "")
+        try:
+            threshold = int(raw) if raw else DEFAULT_THRESHOLD
+        except ValueError:
+            raise ValueError(f"{ENV} must be a byte count (0 = off), got {raw!r}") from None
+    if threshold < 0:
+        raise ValueError(f"mmap threshold must be >= 0 bytes (0 = off), got {threshold}")
+    libc = _libc()
+    if threshold == 0 or libc is None:
+        return None
+    if libc.mallopt(M_MMAP_THRESHOLD, int(threshold)) != 1:
+        return None
+    libc.malloc_trim(0)  # give back what the heap already holds free
+    _pinned = int(threshold)
+    return _pinned
+
+
+def pinned() -> int | None:
+    """The threshold this process pinned, if any."""
+    return _pinned
