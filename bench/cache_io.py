@@ -5,7 +5,8 @@
                              [--repeats 5] [--skip-io] [--skip-codecs] [--out results.json]
 
 I/O (bf16, codec none; the values' content does not matter there, so random bf16): the cache
-(CacheWriter.write_shard for every shard + finalize: stats, checksums, markers, rename,
+(CacheWriter.write_shard for every shard + finalize: stats (NaN/inf check and absmax over
+every value, mean/std from a row sample: storage/stats.py), checksums, markers, rename,
 manifest; create timed apart) against plain files of the same bytes, one file per shard,
 written with the same fsync; reads: open_cache + read_rows(0, N) (checksum-verified values,
 labels and sample ids) against np.fromfile + concatenate. Every repeat runs both, in
