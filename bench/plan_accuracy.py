@@ -157,6 +157,43 @@ def _tokens(cfg, n_train: int, n_val: int) -> None:
     w.commit({"fingerprint": f"bench-{n_train}-{n_val}", "vocab_size": cfg.model.vocab_size})
 
 
+def _setup(cfg, sh, n_tr: int, n_val: int):
+    """The planner's Setup for an arm's config, pipelined as the child's worker calls are."""
+    from pipelines.preinfer import shards_per_task
+    from preinfer import memory as plan
+    from storage.cache import rows_per_shard
+
+    rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
+    shards = -(-n_tr // rps) + -(-n_val // rps)  # the child's calls, as the actor pool gets them
+    pipelined = shards_per_task(shards, cfg.preinfer.actors) > 1
+    return plan.setup_for(cfg, sh, target="cpu", n_train=n_tr, n_val=n_val, pipelined=pipelined)
+
+
+def rescore(rows: list[dict]) -> list[dict]:
+    """The same measured rows with estimates from preinfer.memory as it is now (after
+    recalibrating its constants); shapes and partitions are arithmetic, nothing runs."""
+    from preinfer import memory as plan
+    from preinfer.config import load_config
+    from preinfer.partition import partition_layers
+
+    out = []
+    for r in rows:
+        path, over, n_tr, n_val = SETS[r["config"]]
+        cfg = load_config(ROOT / path if path else None, [*COMMON, *over, "run.dir=unused"])
+        sh = plan.model_shape(cfg.model)
+        part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
+        p = _setup(cfg, sh, n_tr, n_val)
+        arm = r["arm"]
+        k = 0 if arm.endswith("full") else int(arm.split()[-1])
+        if "pre-inference" in arm:
+            est = plan.preinfer_memory(sh, part, k, p, refresh="refresh" in arm)
+        else:
+            est = plan.trainer_memory(sh, part, "full" if "full" in arm else "bcd", k, p)
+        out.append({**r, "estimate": est["peak"], "phase": est["phase"],
+                    "components": est["components"], "basis": est["basis"]})  # fmt: skip
+    return out
+
+
 def measure(name: str, work: Path) -> list[dict]:
     """Set up one config under `work`, run its arms, return rows with estimate and measurement."""
     from pipelines.init import run_init
@@ -172,13 +209,7 @@ def measure(name: str, work: Path) -> list[dict]:
     run_init(cfg, log=lambda *a: None)
     part = Checkpoint.open(cfg.run.checkpoint).partition
     sh = plan.model_shape(cfg.model)
-    from pipelines.preinfer import shards_per_task
-    from storage.cache import rows_per_shard
-
-    rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
-    shards = -(-n_tr // rps) + -(-n_val // rps)  # the child's calls, as the actor pool gets them
-    pipelined = shards_per_task(shards, cfg.preinfer.actors) > 1
-    p = plan.setup_for(cfg, sh, target="cpu", n_train=n_tr, n_val=n_val, pipelined=pipelined)
+    p = _setup(cfg, sh, n_tr, n_val)
     M, rows = part.num_blocks, []
 
     def arm(label, est, cfg_, *extra):
@@ -324,6 +355,8 @@ def main(argv=None) -> dict | None:
                     choices=sorted(set(SETS) - set(CALIBRATION)))  # fmt: skip
     ap.add_argument("--calibrate", action="store_true", help="measure the runtime constants")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--rescore", default=None, metavar="JSON",
+                    help="re-estimate the measured rows of an earlier --json (no measuring)")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cfg", help=argparse.SUPPRESS)
     ap.add_argument("--arm", choices=["trainer", "preinfer"], help=argparse.SUPPRESS)
@@ -334,6 +367,12 @@ def main(argv=None) -> dict | None:
     if args.child:
         child(args)
         return None
+    if args.rescore:
+        rows = rescore(json.loads(Path(args.rescore).read_text()))
+        print(table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return {"rows": rows, "headline": _headline(rows)}
     names = list(CALIBRATION) if args.calibrate else args.configs
     if args.calibrate:  # one shard per worker call: compute and encode peaks apart (suggest)
         os.environ["PREINFER_SHARDS_PER_TASK"] = "1"
@@ -350,13 +389,16 @@ def main(argv=None) -> dict | None:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    return {"headline": _headline(rows), "rows": rows}
+
+
+def _headline(rows: list[dict]) -> dict:
     errs = [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
-    headline = {
+    return {
         "arms": len(rows),
         "within 15%": sum(abs(e) <= 0.15 for e in errs),
         "worst error": max(errs, key=abs) if errs else None,
     }
-    return {"headline": headline, "rows": rows}
 
 
 if __name__ == "__main__":

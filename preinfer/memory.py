@@ -56,7 +56,8 @@ OPT_STATE = {"sgd": 4, "adam": 8, "adamw": 8}
 OPT_TEMP = {"cpu": {"sgd": 1, "adam": 3, "adamw": 2}, "gpu": {"sgd": 1, "adam": 1, "adamw": 1}}
 # CPU-only constants, measured (not derived) by `bench/plan_accuracy.py --calibrate` on a minimal
 # model and on configs/llama-small.yaml at two shard sizes, never on the configs the bench
-# validates (demo, gpt2-small). Re-measure when storage/ or the libraries change.
+# validates (demo, gpt2-small); last run 2026-11-29 (fused loss, pinned worker malloc, pipelined
+# worker). Re-measure when storage/, the trainer or the libraries change.
 # RUNTIME: fixed peak-RSS growth of each code path. CPU_ALLOC: RSS per live byte of activations
 # (glibc keeps the forward's freed temporaries in its heap). CPU_INFER: the same for the bf16
 # inference working set. HOST_IO: (fixed bytes, RSS per byte) of the data a reader or writer
@@ -66,19 +67,20 @@ OPT_TEMP = {"cpu": {"sgd": 1, "adam": 3, "adamw": 2}, "gpu": {"sgd": 1, "adam": 
 RUNTIME = {
     ("cpu", "trainer"): 59 * MiB,
     ("cpu", "trainer-cache"): 55 * MiB,
-    ("cpu", "preinfer"): 52 * MiB,
+    ("cpu", "preinfer"): 53 * MiB,
     ("gpu", "trainer"): 768 * MiB,
     ("gpu", "trainer-cache"): 768 * MiB,
     ("gpu", "preinfer"): 768 * MiB,
 }
-CPU_ALLOC = 1.28
-CPU_INFER = 1.49
+CPU_ALLOC = 1.42
+CPU_INFER = 1.78
 HOST_IO = {
     "token_read": (0, 6.5),  # one token-store shard (data.shard_rows x (S+1) int32), Parquet
     # the reader's stored rows (shuffle buffer + the shard being read): 1.0 by hand — the
-    # --calibrate fit after the stored-dtype buffer (2026-11-29) gave (29 MiB, -0.09), not physical
+    # --calibrate fits gave (29 MiB, -0.09) and, with the fused loss, (12 MiB, 0.58): a buffer
+    # that is written whole costs at least its bytes
     "cache_read": (0, 1.0),
-    "cache_write": (41 * MiB, 0.69),  # one cache shard (stored dtype): encode, checksum, compress
+    "cache_write": (35 * MiB, 0.48),  # one cache shard (stored dtype): encode, checksum, compress
 }
 
 
