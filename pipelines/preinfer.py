@@ -189,10 +189,10 @@ class PrefixWorker:
     def __init__(self, cfg_dict: dict, block: int, first: int, sources: dict[str, str]):
         from preinfer.adapters import forward_blocks
         from preinfer.device import resolve_device, torch_dtype
-        from preinfer.hostmem import pin_malloc
+        from preinfer.hostmem import pin_malloc, pinned
         from storage.cache import CacheWriter
 
-        pin_malloc()  # before the fp32 weights load and are cast: a peak RSS run-to-run stable
+        pin_malloc()  # the fp32 weights loaded and cast below go back to the OS when freed
 
         self.cfg = config_from_dict(cfg_dict)
         self.block, self.first, self.sources = block, first, sources
@@ -201,6 +201,10 @@ class PrefixWorker:
         ckpt = Checkpoint.open(self.cfg.run.checkpoint)
         self.model, self.adapter = ckpt.load(range(first, block), device=self.device)
         self.model.to(self.dtype).eval()
+        # compute: glibc's largest (32 MiB) threshold, fixed, so per-micro-batch activations
+        # come from the heap (mmap + page faults for each of them halved build throughput)
+        if pinned() is not None:  # (not when PREINFER_MALLOC_MMAP_THRESHOLD=0 turned it off)
+            pin_malloc(COMPUTE_MMAP_THRESHOLD)
         self.part = ckpt.partition
         self._forward = forward_blocks
         self._open_writer = CacheWriter.open
@@ -307,6 +311,7 @@ class PrefixWorker:
         return self._sources[src_fp]
 
 
+COMPUTE_MMAP_THRESHOLD = 32 * 2**20
 SHARDS_PER_TASK = int(os.environ.get("PREINFER_SHARDS_PER_TASK") or 2)
 
 

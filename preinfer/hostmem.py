@@ -6,8 +6,12 @@ blocks below the new threshold come from the heap, where freed ones stay residen
 For a process that frees fp32 weights after casting them and streams shard-sized buffers, the
 peak RSS then depends on the order allocations happened in (threads, timing): a gpt2-small
 pre-inference worker peaked anywhere from 364 to 555 MB over identical runs on 2 CPUs. A fixed
-threshold stops the adjustment: every block >= `threshold` is mmapped and returned on free, and
-the same runs peaked at 326 MB, every time (bench/plan_accuracy.py's child, --arm preinfer).
+threshold stops the adjustment: every block >= `threshold` is mmapped and returned on free.
+Pinned at 4 MiB throughout, the same runs peaked at 326 MB every time, but a demo build ran at
+0.61-0.66x of the bare forward instead of 0.98x (an mmap and page faults for every activation
+of every micro-batch). So the worker pins 4 MiB while it loads and casts its weights and 32 MiB
+(glibc's own ceiling, fixed) for compute: build 0.97x of the bare forward, gpt2-small build->1
+peaks 375 / 392 MB in two runs (pipelines/preinfer.py PrefixWorker).
 
     pin_malloc()   # once, early in a worker process; a no-op where glibc is not the allocator
 """
