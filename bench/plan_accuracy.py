@@ -108,7 +108,8 @@ def child(args) -> None:
         from pipelines.preinfer import shards_per_task
 
         worker = PrefixWorker(cfg.to_dict(), args.block, first, sources)
-        k = shards_per_task(len(items), cfg.preinfer.actors)  # as the actor pool's calls get them
+        pool = min(cfg.preinfer.actors, len(items))
+        k = shards_per_task(len(items), pool)  # as the actor pool's calls get them (_run_workers)
         for j in range(0, len(items), k):
             group = items[j : j + k]
             worker({"fingerprint": [fp for fp, _ in group], "shard": [s for _, s in group]})
@@ -165,8 +166,18 @@ def _setup(cfg, sh, n_tr: int, n_val: int):
 
     rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
     shards = -(-n_tr // rps) + -(-n_val // rps)  # the child's calls, as the actor pool gets them
-    pipelined = shards_per_task(shards, cfg.preinfer.actors) > 1
+    pipelined = shards_per_task(shards, min(cfg.preinfer.actors, shards)) > 1
     return plan.setup_for(cfg, sh, target="cpu", n_train=n_tr, n_val=n_val, pipelined=pipelined)
+
+
+def _estimate(sh, part, p, label: str) -> dict:
+    """preinfer.memory's estimate for the arm named `label` (as measure() names them)."""
+    from preinfer import memory as plan
+
+    k = 0 if label.endswith("full") else int(label.split()[-1])
+    if label.startswith("pre-inference"):
+        return plan.preinfer_memory(sh, part, k, p, refresh="refresh" in label)
+    return plan.trainer_memory(sh, part, "full" if label.endswith("full") else "bcd", k, p)
 
 
 def rescore(rows: list[dict]) -> list[dict]:
@@ -182,13 +193,7 @@ def rescore(rows: list[dict]) -> list[dict]:
         cfg = load_config(ROOT / path if path else None, [*COMMON, *over, "run.dir=unused"])
         sh = plan.model_shape(cfg.model)
         part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
-        p = _setup(cfg, sh, n_tr, n_val)
-        arm = r["arm"]
-        k = 0 if arm.endswith("full") else int(arm.split()[-1])
-        if "pre-inference" in arm:
-            est = plan.preinfer_memory(sh, part, k, p, refresh="refresh" in arm)
-        else:
-            est = plan.trainer_memory(sh, part, "full" if "full" in arm else "bcd", k, p)
+        est = _estimate(sh, part, _setup(cfg, sh, n_tr, n_val), r["arm"])
         out.append({**r, "estimate": est["peak"], "phase": est["phase"],
                     "components": est["components"], "basis": est["basis"]})  # fmt: skip
     return out
@@ -212,7 +217,8 @@ def measure(name: str, work: Path) -> list[dict]:
     p = _setup(cfg, sh, n_tr, n_val)
     M, rows = part.num_blocks, []
 
-    def arm(label, est, cfg_, *extra):
+    def arm(label, cfg_, *extra):
+        est = _estimate(sh, part, p, label)
         f = work / name / f"cfg-{len(rows)}.json"
         f.write_text(cfg_.to_json())
         got = _run_child(f, *extra)
@@ -231,7 +237,6 @@ def measure(name: str, work: Path) -> list[dict]:
         plans = plan_caches(cfg, k, 0)
         arm(
             f"pre-inference build -> {k}",
-            plan.preinfer_memory(sh, part, k, p),
             cfg,
             "--arm",
             "preinfer",
@@ -250,12 +255,11 @@ def measure(name: str, work: Path) -> list[dict]:
                 Path(cfg.cache.root) / q.fingerprint, Path(alt.cache.root) / q.fingerprint
             )
         plan_caches(alt, M - 1, 0)
-        arm(f"pre-inference refresh -> {M - 1}", plan.preinfer_memory(sh, part, M - 1, p, refresh=True),
-            alt, "--arm", "preinfer", "--block", str(M - 1), "--refresh")  # fmt: skip
+        arm(f"pre-inference refresh -> {M - 1}", alt, "--arm", "preinfer", "--block", str(M - 1),
+            "--refresh")  # fmt: skip
     for k in range(M - 1, -1, -1):  # descending: a commit of block k leaves boundaries <= k valid
         arm(
             f"trainer bcd block {k}",
-            plan.trainer_memory(sh, part, "bcd", k, p),
             cfg,
             "--arm",
             "trainer",
@@ -266,7 +270,6 @@ def measure(name: str, work: Path) -> list[dict]:
         )
     arm(
         "trainer full",
-        plan.trainer_memory(sh, part, "full", 0, p),
         cfg,
         "--arm",
         "trainer",

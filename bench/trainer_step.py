@@ -34,7 +34,7 @@ from preinfer.adapters import forward_blocks  # noqa: E402
 from preinfer.checkpoint import Checkpoint, init_checkpoint, trainable_parameters  # noqa: E402
 from preinfer.config import load_config  # noqa: E402
 from preinfer.device import resolve_device  # noqa: E402
-from preinfer.loss import blocks_loss  # noqa: E402
+from preinfer.loss import blocks_loss, mode_loss  # noqa: E402
 from preinfer.trainer import (  # noqa: E402
     CacheBatches,
     build_optimizer,
@@ -119,13 +119,9 @@ class Arm:
         self.it = None
         self.step_i = 0
 
-    def loss(self, x, labels):
-        start = self.block if self.name == "bcd" else 0
-        if self.name == "bcd-recompute":
-            with torch.no_grad():
-                x = forward_blocks(self.adapter, self.part, x, 0, self.block)
-            start = self.block
-        return blocks_loss(self.adapter, self.part, x, labels, start, self.cfg.train.loss_chunk)
+    def loss(self, x, labels):  # the trainer's own (preinfer.visit.Visit.loss)
+        return mode_loss(self.adapter, self.part, x, labels, mode=self.name, block=self.block,
+                         chunk=self.cfg.train.loss_chunk)  # fmt: skip
 
     def batch(self):
         if self.name != "bcd":

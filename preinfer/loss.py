@@ -142,3 +142,19 @@ def blocks_loss(
     hidden = forward_blocks(adapter, partition, x, start, partition.num_blocks, head=False)
     adapter.require_loaded("head")
     return head_loss(adapter, hidden, labels, chunk)
+
+
+def mode_loss(
+    adapter, partition, x: torch.Tensor, labels: torch.Tensor, *, mode: str, block: int, chunk: int
+) -> torch.Tensor:
+    """The loss a trainer step of `mode` takes for block `block`. x: the hidden (B, S, H)
+    entering the block for bcd (ids when block == 0), ids (B, S) for full and bcd-recompute
+    (which reruns blocks 0..block-1 without grad first)."""
+    from preinfer.adapters import forward_blocks
+
+    start = block if mode == "bcd" else 0
+    if mode == "bcd-recompute" and block > 0:
+        with torch.no_grad():  # the frozen prefix, rerun every step
+            x = forward_blocks(adapter, partition, x, 0, block)
+        start = block
+    return blocks_loss(adapter, partition, x, labels, start, chunk)

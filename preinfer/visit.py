@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from preinfer.adapters import forward_blocks
 from preinfer.checkpoint import Checkpoint, trainable_parameters
 from preinfer.config import Config
 from preinfer.device import autocast
-from preinfer.loss import blocks_loss
+from preinfer.loss import mode_loss
 from preinfer.trainer import (
     CacheBatches,
     TokenBatches,
@@ -139,12 +138,8 @@ class Visit:
 
     # x: (B, S) ids or (B, S, H) hidden entering block K; labels (B, S)  ->  mean loss
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        start = self.K if self.from_cache else 0
-        if self.spec.mode == "bcd-recompute" and self.K > 0:
-            with torch.no_grad():  # the frozen prefix, rerun every step
-                x = forward_blocks(self.adapter, self.part, x, 0, self.K)
-            start = self.K
-        return blocks_loss(self.adapter, self.part, x, labels, start, self.cfg.train.loss_chunk)
+        return mode_loss(self.adapter, self.part, x, labels, mode=self.spec.mode, block=self.K,
+                         chunk=self.cfg.train.loss_chunk)  # fmt: skip
 
     def _data(self) -> None:
         cfg, spec = self.cfg, self.spec
