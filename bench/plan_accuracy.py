@@ -97,7 +97,17 @@ def child(args) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     phases: dict[str, int] = {}
     t0 = time.perf_counter()
-    if args.arm == "trainer":
+    if args.arm == "trainer":  # per-phase peaks too: where the estimate's phases really peak
+        import torch
+
+        from preinfer.checkpoint import Checkpoint
+
+        for cls, attr, name in [(Checkpoint, "load", "load"), (Visit, "_data", "data"),
+                                (torch.Tensor, "backward", "backward"),
+                                (Visit, "evaluate", "eval"), (Visit, "commit", "commit"),
+                                *[(o, "step", "step") for o in (torch.optim.AdamW,
+                                  torch.optim.Adam, torch.optim.SGD)]]:  # fmt: skip
+            _phase(cls, attr, name, phases, base)
         Visit(cfg, spec, device=resolve_device("cpu")).run(log=lambda *a, **k: None)
     else:  # per-phase peaks (the calibration separates compute from encode with them)
         from storage.cache import CacheWriter
@@ -121,7 +131,7 @@ def child(args) -> None:
 def _phase(cls, attr: str, name: str, peaks: dict, base: int) -> None:
     """Wrap cls.attr so the RSS high-water mark is read and reset around each call: `peaks`
     gets the peak inside the calls (name) and between them ("other")."""
-    f = getattr(cls, attr)
+    f = cls.__dict__[attr] if attr in cls.__dict__ else getattr(cls, attr)
 
     def read(key):
         peaks[key] = max(peaks.get(key, 0), _status("VmHWM") - base)
@@ -137,7 +147,9 @@ def _phase(cls, attr: str, name: str, peaks: dict, base: int) -> None:
     setattr(cls, attr, wrapped)
 
 
-def _run_child(cfg_path: Path, *extra: str) -> dict:
+def _run_child(cfg_path: Path, *extra: str, cfg=None) -> dict:
+    if cfg is not None:
+        cfg_path.write_text(cfg.to_json())
     cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
@@ -199,8 +211,9 @@ def rescore(rows: list[dict]) -> list[dict]:
     return out
 
 
-def measure(name: str, work: Path) -> list[dict]:
-    """Set up one config under `work`, run its arms, return rows with estimate and measurement."""
+def measure(name: str, work: Path, arms: str = "all") -> list[dict]:
+    """Set up one config under `work`, run its arms (all, preinfer or trainer: the trainer arms
+    still build the caches they read), return rows with estimate and measurement."""
     from pipelines.init import run_init
     from pipelines.preinfer import _finish, plan_caches
     from preinfer import memory as plan
@@ -218,6 +231,10 @@ def measure(name: str, work: Path) -> list[dict]:
     M, rows = part.num_blocks, []
 
     def arm(label, cfg_, *extra):
+        if arms != "all" and (arms == "preinfer") != label.startswith("pre-inference"):
+            if label.startswith("pre-inference"):  # a cache the trainer arms read
+                _run_child(work / name / "cfg-skip.json", *extra, cfg=cfg_)
+            return
         est = _estimate(sh, part, p, label)
         f = work / name / f"cfg-{len(rows)}.json"
         f.write_text(cfg_.to_json())
@@ -244,7 +261,8 @@ def measure(name: str, work: Path) -> list[dict]:
             str(k),
         )
         _finish(cfg, plans)
-    if M > 2 and name not in CALIBRATION:  # refresh of the last boundary, into a second root
+    # refresh of the last boundary, into a second root
+    if M > 2 and name not in CALIBRATION and arms != "trainer":
         import copy
         import shutil
 
@@ -308,22 +326,31 @@ def suggest(rows: list[dict]) -> str:
             return "preinfer"
         return "trainer-cache" if r["basis"].get("cache_buffer") else "trainer"
 
+    def peak(r):  # the trainer's backward peak (the constants below are backward terms)
+        return (
+            r["phases"].get("backward", r["measured"]) if "trainer" in r["arm"] else r["measured"]
+        )
+
     out, run = [], {}
     for r in rows:
         if r["config"] == "calibrate":
             rest = r["estimate"] - r["components"]["runtime"]
-            run[path(r)] = max(run.get(path(r), 0), r["measured"] - rest)
+            run[path(r)] = max(run.get(path(r), 0), peak(r) - rest)
+    # while loading: what the load phase holds beyond the weights (and the cast's copy), any arm
+    run["load"] = max(
+        r["phases"]["load"] - r["basis"]["load"] for r in rows if "load" in r["phases"]
+    )
     out += [f"RUNTIME cpu {k}: {v / MiB:.0f} MiB (now {RUNTIME[('cpu', k)] / MiB:.0f})"
             for k, v in sorted(run.items())]  # fmt: skip
     cal = [r for r in rows if r["config"] != "calibrate"]
     b = lambda r: r["basis"]  # noqa: E731
     tok = [r for r in cal if path(r) == "trainer"]
-    alloc = mean((r["measured"] - run["trainer"] - b(r)["static"]
+    alloc = mean((peak(r) - run["trainer"] - b(r)["static"]
                   - host_io("token_read", b(r)["token_shard"])) / b(r)["act"] for r in tok)  # fmt: skip
     out.append(f"CPU_ALLOC: {alloc:.2f} (now {CPU_ALLOC})")
     cache = [r for r in cal if path(r) == "trainer-cache"]
     read = _line([b(r)["cache_buffer"] for r in cache],
-                 [r["measured"] - run["trainer-cache"] - b(r)["static"] - alloc * b(r)["act"]
+                 [peak(r) - run["trainer-cache"] - b(r)["static"] - alloc * b(r)["act"]
                   - b(r)["grads"] for r in cache])  # fmt: skip
     out.append(
         f"HOST_IO cache_read: ({read[0] / MiB:.0f} * MiB, {read[1]:.2f}) (now {HOST_IO['cache_read']})"
@@ -357,6 +384,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--configs", nargs="+", default=["demo", "gpt2-small"],
                     choices=sorted(set(SETS) - set(CALIBRATION)))  # fmt: skip
     ap.add_argument("--calibrate", action="store_true", help="measure the runtime constants")
+    ap.add_argument("--arms", choices=["all", "preinfer", "trainer"], default="all",
+                    help="which arms to measure (default all)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--rescore", default=None, metavar="JSON",
                     help="re-estimate the measured rows of an earlier --json (no measuring)")  # fmt: skip
@@ -382,7 +411,7 @@ def main(argv=None) -> dict | None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
         for name in names:
-            rows += measure(name, Path(tmp))
+            rows += measure(name, Path(tmp), args.arms)
     if args.calibrate:
         print(suggest(rows))
     print(table(rows))

@@ -48,7 +48,7 @@ def update_tensor(h: Any, name: str, t: torch.Tensor) -> None:
     h.update(f"{name}|{str(t.dtype)}|{tuple(t.shape)}|".encode())
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    h.update(t.numpy().tobytes())
+    h.update(t.numpy().reshape(-1).view("uint8"))  # the tensor's own bytes, not a copy
 
 
 def tensors_hash(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:

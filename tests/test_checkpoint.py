@@ -316,3 +316,13 @@ def test_concurrent_init_of_the_same_config_returns_the_winner(tmp_path, monkeyp
     lines = got.block_summaries()
     assert lines[0].startswith("embed + layer") and lines[-1].endswith(got.block_file(1).name)
     assert got.model_config_dict["arch"] == "sequential"
+
+
+def test_tensor_hash_is_unchanged_and_reads_tensors_in_place():
+    """Block hashes in existing checkpoints stay valid: the digest of fixed tensors is pinned
+    (it was made from a bytes copy; it now reads each tensor's bytes in place, no copy)."""
+    from preinfer.fingerprint import tensors_hash
+
+    t = {"a": torch.arange(10.0).reshape(2, 5), "b": torch.ones(3, dtype=torch.bfloat16),
+         "c": torch.zeros(0), "d": torch.arange(6.0).reshape(2, 3).t()}  # fmt: skip
+    assert tensors_hash(t) == "3d13634e2fb4e29ac0c99dcd0d21076be02a590498177a10b5e575cf77de407b"

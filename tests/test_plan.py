@@ -248,3 +248,26 @@ def test_step_times_come_from_metrics_when_the_run_has_them(tiny_run):
     assert c["bcd_average"]["time_source"] == ["measured"]
     c = plan.build_plan(tiny_run, plan.PlanOptions(flops_only=True, **opts))["cost"]
     assert c["full"]["time_source"] == "flops" and c["bcd_average"]["time_source"] == ["flops"]
+
+
+def test_cpu_phases_follow_what_the_process_holds(tmp_path):
+    """On CPU the eval of a cache-fed block lands on what backward left resident (+ the val
+    reader); loading holds the weights alone, and a pre-inference worker's load the fp32
+    weights plus one cast copy of its largest tensor."""
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"run.dir={tmp_path}"])
+    sh = memory.model_shape(cfg.model)
+    part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
+    p = memory.setup_for(cfg, sh, target="cpu", n_train=11773, n_val=1142)
+    r = memory.trainer_memory(sh, part, "bcd", 2, p)
+    assert r["phase"] == "eval" and r["basis"]["val_buffer"] > 0
+    back = memory.trainer_memory(sh, part, "bcd", 2, memory.Setup(**{**p.__dict__, "val_rows": 0}))
+    per = memory.HOST_IO["cache_read"][1]  # the val reader's rows sit on top of backward
+    assert r["peak"] - back["peak"] == pytest.approx(
+        per * (r["basis"]["val_buffer"] - back["basis"]["val_buffer"])
+    )
+    assert back["peak"] > back["components"]["activations"] + back["components"]["reader"]
+    pre = memory.preinfer_memory(sh, part, 1, p)
+    n = part.block_params[0]
+    assert pre["basis"]["load"] == 4 * n + 2 * sh.max_tensor  # bf16 cache: a bf16 cast copy
+    gpu = memory.trainer_memory(sh, part, "bcd", 2, memory.setup_for(cfg, sh, target="gpu"))
+    assert gpu["phase"] != "load"
