@@ -239,12 +239,13 @@ class PrefixWorker:
         is read (and decompressed) while this one computes, and a computed shard is encoded
         and written while the next computes (one in flight: memory stays ~3 shards)."""
         items = [(fp, int(s)) for fp, s in zip(batch["fingerprint"], batch["shard"], strict=True)]
-        out = {k: [] for k in ("fingerprint", "shard", "rows", "seconds", *PHASES)}
+        out = {k: [] for k in ("fingerprint", "shard", "rows", "seconds", "started", *PHASES)}
         writing: Future | None = None
         try:
             nxt = self._helpers[0].submit(self._input, *items[0])
             for j, (fp, shard) in enumerate(items):
                 self._maybe_die()
+                out["started"].append(time.time())  # wall clock: the driver finds start-up
                 t0 = time.perf_counter()
                 x, rows, read_s = nxt.result()
                 if j + 1 < len(items):
@@ -338,7 +339,8 @@ def _run_workers(
 
     items = [{"fingerprint": p.fingerprint, "shard": s} for p in plans for s in p.missing]
     if not items:
-        return {"shards": 0, "rows": 0, "seconds": 0.0, **dict.fromkeys(PHASES, 0.0)}
+        return {"shards": 0, "rows": 0, "seconds": 0.0, "startup_s": 0.0,
+                **dict.fromkeys(PHASES, 0.0)}  # fmt: skip
     ensure_ray()
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
@@ -364,19 +366,23 @@ def _run_workers(
             max_task_retries=cfg.preinfer.max_task_retries,
             **actor_resources(cfg),
         )
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     rows = shards = 0
     phases = dict.fromkeys(PHASES, 0.0)
+    first = float("inf")  # wall clock of the first shard any actor began (after its start-up)
     bar = tqdm(total=len(items), desc=f"preinfer block {block}", unit="shard", disable=None)
     for rec in ds.iter_rows():
         shards += 1
         rows += int(rec["rows"])
         for k in PHASES:
             phases[k] += float(rec[k])
+        first = min(first, float(rec["started"]))
         bar.update(1)
         bar.set_postfix(tok_s=f"{rows * seq_len / (time.perf_counter() - t0):,.0f}")
     bar.close()
-    return {"shards": shards, "rows": rows, "seconds": time.perf_counter() - t0, **phases}
+    # startup_s: job start to the first shard begun (actor processes, imports, weight loading)
+    return {"shards": shards, "rows": rows, "seconds": time.perf_counter() - t0,
+            "startup_s": max(0.0, first - wall0) if shards else 0.0, **phases}  # fmt: skip
 
 
 def _finish(cfg: Config, plans: list[CachePlan]) -> None:
@@ -458,7 +464,8 @@ def _log_done(log, what, block, plans, stats, todo, seq_len) -> None:
     tok_s = stats["rows"] * seq_len / max(stats["seconds"], 1e-9)
     log(
         f"cache {what}: boundary {block}: {stats['shards']}/{todo} shards, {stats['rows']} samples "
-        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s; worker seconds: "
+        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s; actors ready after "
+        f"{stats.get('startup_s', 0.0):.1f}s; worker seconds: "
         + ", ".join(f"{k[:-2]} {stats[k]:.1f}" for k in PHASES)
         + f") -> {_fps(plans)}"
     )
