@@ -9,6 +9,7 @@ from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.rotate import run_bcd
 from pipelines.tokenize import run_tokenize
+from preinfer.checkpoint import CheckpointError
 from preinfer.config import Config
 
 
@@ -16,7 +17,15 @@ def run_demo(cfg: Config, log=print) -> dict:
     t0 = time.perf_counter()
     log(f"== preinfer demo: run dir {cfg.run.dir}")
     store = run_tokenize(cfg, log=log)
-    ckpt = run_init(cfg, log=log)
+    try:
+        ckpt = run_init(cfg, log=log)
+    except CheckpointError as e:  # an earlier demo trained this run's checkpoint
+        raise CheckpointError(
+            f"{cfg.run.dir} already holds a run whose checkpoint was trained (an earlier "
+            f"`make demo`?; its report is in {cfg.run.dir}/report). To run the demo again from "
+            f"scratch, delete that directory (`make clean` deletes runs/), or run it elsewhere: "
+            f"make demo SET=run.dir=runs/demo2. ({e})"
+        ) from None
     for b, info in enumerate(ckpt.block_summaries()):
         log(f"  block {b}: {info}")
     nb = cfg.train.eval_batches

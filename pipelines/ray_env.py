@@ -23,7 +23,27 @@ def ensure_ray() -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(**kwargs)
+        ray.init(**kwargs, runtime_env={"worker_process_setup_hook": _quiet_workers()})
+
+
+# Ray Train's placement-group cleaner asks the state API whether the train controller is alive;
+# the private instance runs without the dashboard that serves it, so it would warn every second
+# of a training run (a cluster job has the dashboard, and keeps the warning)
+_UNSERVED = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+
+
+def _quiet_workers():
+    """Setup hook of the private instance's worker processes (see _UNSERVED). A closure, so
+    Ray ships its code by value: a worker need not import this module (a worker that cannot
+    run its setup hook exits, and Ray would start it again and again)."""
+    name = _UNSERVED
+
+    def quiet() -> None:
+        import logging
+
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    return quiet
 
 
 def gpus_available() -> bool:

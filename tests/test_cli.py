@@ -102,3 +102,22 @@ def test_cache_names_cannot_escape_the_root(capsys, tmp_path, fp):
             f"run.dir={tmp_path}",
         )
         assert code == 2 and "not a cache fingerprint" in err
+
+
+def test_demo_rerun_over_a_trained_run_says_what_to_do(tiny_run, capsys):
+    """A second `make demo` finds the checkpoint its first run trained: it stops before any
+    work with a message naming the run dir and how to start over, and changes nothing."""
+    from preinfer.checkpoint import Checkpoint
+
+    cfg = tiny_run()
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    state = ckpt.load([0])
+    tensors = ckpt.block_state(*state, 0)
+    ckpt.commit_block(0, {k: v + 1 for k, v in tensors.items()})  # as a trained block 0
+    before = sorted(p.name for p in Path(cfg.run.checkpoint).iterdir())
+    code, out, err = run(capsys, "demo", "--config", "configs/demo.yaml", *sets(cfg.run.dir))
+    assert code != 0
+    msg = out + err
+    assert "already holds a run whose checkpoint was trained" in msg and "make clean" in msg
+    assert str(cfg.run.dir) in msg
+    assert sorted(p.name for p in Path(cfg.run.checkpoint).iterdir()) == before
