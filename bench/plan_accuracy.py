@@ -147,9 +147,7 @@ def _phase(cls, attr: str, name: str, peaks: dict, base: int) -> None:
     setattr(cls, attr, wrapped)
 
 
-def _run_child(cfg_path: Path, *extra: str, cfg=None) -> dict:
-    if cfg is not None:
-        cfg_path.write_text(cfg.to_json())
+def _run_child(cfg_path: Path, *extra: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
@@ -231,13 +229,14 @@ def measure(name: str, work: Path, arms: str = "all") -> list[dict]:
     M, rows = part.num_blocks, []
 
     def arm(label, cfg_, *extra):
-        if arms != "all" and (arms == "preinfer") != label.startswith("pre-inference"):
-            if label.startswith("pre-inference"):  # a cache the trainer arms read
-                _run_child(work / name / "cfg-skip.json", *extra, cfg=cfg_)
-            return
-        est = _estimate(sh, part, p, label)
+        pre = label.startswith("pre-inference")
         f = work / name / f"cfg-{len(rows)}.json"
         f.write_text(cfg_.to_json())
+        if arms not in ("all", "preinfer" if pre else "trainer"):  # not measured
+            if pre:  # still built: the trainer arms read its cache
+                _run_child(f, *extra)
+            return
+        est = _estimate(sh, part, p, label)
         got = _run_child(f, *extra)
         rows.append({"config": name, "arm": label, "measured": got["growth"], "estimate": est["peak"],
                      "phases": got["phases"],

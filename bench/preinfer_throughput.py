@@ -69,9 +69,8 @@ def bare_forward(cfg, block: int, first: int = 0) -> float:
         # forward's temporaries, fragments the heap and slowed the timed loop by up to 1.5x)
         m0, a0 = ckpt.load(range(first))
         m0.to(dtype).eval()
-        n, S, H = sum(len(x) for x in batches), batches[0].shape[1], a0.hidden_size
-        hidden = torch.empty((n, S, H), dtype=dtype)
         sizes = [len(x) for x in batches]
+        hidden = torch.empty((sum(sizes), batches[0].shape[1], a0.hidden_size), dtype=dtype)
         with torch.inference_mode():
             for h, x in zip(hidden.split(sizes), batches, strict=True):
                 h.copy_(forward_blocks(a0, ckpt.partition, x, 0, first))
@@ -230,8 +229,7 @@ def table(res: dict) -> str:
             f"| {k} | {r['build_s']:.1f} | {r['refresh_s']:.1f} | "
             f"{r['refresh_over_build']:.2f} | {r['build_worker_s']:.1f} | "
             f"{r['refresh_worker_s']:.1f} | {r['worker_refresh_over_build']:.2f} | "
-            f"{r.get('steady_refresh_over_build', float('nan')):.2f} | "
-            f"{r.get('compute_refresh_over_build', float('nan')):.2f} | "
+            f"{r['steady_refresh_over_build']:.2f} | {r['compute_refresh_over_build']:.2f} | "
             f"{r['ideal_bare']:.2f} | {r['one_over_k']:.2f} |"
         )
     return "\n".join(lines)

@@ -9,7 +9,7 @@ from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.rotate import run_bcd
 from pipelines.tokenize import run_tokenize
-from preinfer.checkpoint import CheckpointError
+from preinfer.checkpoint import CheckpointExists
 from preinfer.config import Config
 
 
@@ -19,8 +19,8 @@ def run_demo(cfg: Config, log=print) -> dict:
     store = run_tokenize(cfg, log=log)
     try:
         ckpt = run_init(cfg, log=log)
-    except CheckpointError as e:  # an earlier demo trained this run's checkpoint
-        raise CheckpointError(
+    except CheckpointExists as e:  # an earlier demo trained this run's checkpoint
+        raise CheckpointExists(
             f"{cfg.run.dir} already holds a run whose checkpoint was trained (an earlier "
             f"`make demo`?; its report is in {cfg.run.dir}/report). To run the demo again from "
             f"scratch, delete that directory (`make clean` deletes runs/), or run it elsewhere: "

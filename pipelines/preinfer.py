@@ -465,7 +465,7 @@ def _log_done(log, what, block, plans, stats, todo, seq_len) -> None:
     log(
         f"cache {what}: boundary {block}: {stats['shards']}/{todo} shards, {stats['rows']} samples "
         f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s; actors ready after "
-        f"{stats.get('startup_s', 0.0):.1f}s; worker seconds: "
+        f"{stats['startup_s']:.1f}s; worker seconds: "
         + ", ".join(f"{k[:-2]} {stats[k]:.1f}" for k in PHASES)
         + f") -> {_fps(plans)}"
     )

@@ -42,6 +42,7 @@ from preinfer.checkpoint_format import (
     FORMAT_VERSION,
     INDEX,
     CheckpointError,
+    CheckpointExists,  # noqa: F401  (re-exported: pipelines catch it)
     _block_file_name,
     _cpu_state,
     _spec,

@@ -37,6 +37,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete, tampered with, or used wrongly."""
 
 
+class CheckpointExists(CheckpointError):
+    """init found a different checkpoint (other config, partition or trained weights) there."""
+
+
 # ---- small atomic-write helpers (same pattern as storage/atomic.py, no storage import) ----
 
 

@@ -20,6 +20,7 @@ from preinfer.adapters import get_adapter
 from preinfer.checkpoint_format import (
     INDEX,
     CheckpointError,
+    CheckpointExists,
     _content_key,
     _cpu_state,
     _fsync_dir,
@@ -64,7 +65,7 @@ def init_checkpoint(
         if _content_key(existing.index) == _content_key(index):
             return existing
         if not force:
-            raise CheckpointError(
+            raise CheckpointExists(
                 f"{out} holds a different checkpoint (other config, partition or trained "
                 "weights); use another run.checkpoint dir, or force (`preinfer init --force`) to "
                 "replace it"

@@ -247,6 +247,14 @@ def _loss_terms(sh, p: Setup, T: int, matrix_tr: bool) -> tuple[int, int]:
     return peak + (4 * sh.head_matrix if matrix_tr else 0), keep  # + the chunk's dW matmul
 
 
+def _worst(phases: dict[str, dict], keys: tuple[str, ...], runtime: float) -> tuple[str, dict]:
+    """(name, components) of the phase holding the most: each phase's parts plus its runtime
+    (its own, as loading has, else `runtime`), components in `keys` order, then runtime."""
+    held = {n: {"runtime": runtime, **c} for n, c in phases.items()}
+    name, comp = max(held.items(), key=lambda kv: sum(kv[1].values()))
+    return name, {k: comp.get(k, 0) for k in (*keys, "runtime")}
+
+
 def _bytes(p: Setup) -> Precision:
     return PRECISIONS[p.precision]
 
@@ -324,25 +332,20 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
         reader = host_io("cache_read", buf[0]) + host_io("token_read", tok)
         val = HOST_IO["cache_read"][1] * buf[1]
     temp = OPT_TEMP["cpu" if cpu else "gpu"][p.optimizer] * 4 * (sh.max_tensor if cpu else n_active)
+    backward = dict(weights=W, optimizer=opt, activations=alloc * act, grads=grads, reader=reader)
     phases = {
-        "backward": dict(weights=W, optimizer=opt, activations=alloc * act, grads=grads,
-                         reader=reader),
+        "backward": backward,
         "step": dict(weights=W, optimizer=opt + temp, grads=G + (G if p.world > 1 else 0),
                      reader=reader),
-        "eval": dict(weights=W, optimizer=opt, grads=G, reader=reader + val,
-                     activations=alloc * ev),
+        # CPU: glibc keeps backward's freed activations resident (its heap is not trimmed
+        # under live blocks): the val reader lands on top of them, the eval forward reuses them
+        "eval": {**backward, "reader": reader + val} if cpu else
+                dict(weights=W, optimizer=opt, grads=G, reader=reader + val, activations=ev),
     }  # fmt: skip
-    if cpu:  # glibc keeps backward's freed activations resident (its heap is not trimmed under
-        # live blocks): the eval's val reader lands on top of them, its forward reuses them
-        phases["eval"] = {**phases["backward"], "reader": reader + val}
-    run = RUNTIME[("cpu" if cpu else "gpu", "trainer-cache" if from_cache else "trainer")]
-    for ph in phases.values():
-        ph["runtime"] = run
     if cpu:
         phases["load"] = dict(weights=W, runtime=RUNTIME[("cpu", "load")])
-    name, comp = max(phases.items(), key=lambda kv: sum(kv[1].values()))
-    comp = {k: comp.get(k, 0)
-            for k in ("weights", "grads", "optimizer", "activations", "reader", "runtime")}  # fmt: skip
+    run = RUNTIME[("cpu" if cpu else "gpu", "trainer-cache" if from_cache else "trainer")]
+    name, comp = _worst(phases, ("weights", "grads", "optimizer", "activations", "reader"), run)
     basis = {"static": W + opt, "act": act, "grads": grads, "cache_buffer": buf[0],
              "val_buffer": buf[1], "token_shard": tok, "load": W}  # fmt: skip
     return {"stage": "full" if mode == "full" else f"{mode} block {block}", "mode": mode,
@@ -376,13 +379,10 @@ def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool
                             shard=2 * shard + inputs + (write if p.pipelined else 0)),
             "encode": dict(weights=cb * n, shard=write + inputs),
         }  # fmt: skip
-    run = RUNTIME[("cpu" if cpu else "gpu", "preinfer")]
-    for ph in phases.values():
-        ph["runtime"] = run
     if cpu:  # fp32 from the file, cast tensor by tensor: + the cast copy of the largest one
         phases["load"] = dict(weights=4 * n + cb * big, runtime=RUNTIME[("cpu", "load")])
-    name, comp = max(phases.items(), key=lambda kv: sum(kv[1].values()))
-    comp = {k: comp.get(k, 0) for k in ("weights", "activations", "shard", "runtime")}
+    run = RUNTIME[("cpu" if cpu else "gpu", "preinfer")]
+    name, comp = _worst(phases, ("weights", "activations", "shard"), run)
     return {"stage": f"pre-inference {'refresh' if refresh else 'build'} -> boundary {block}",
             "block": block, "refresh": refresh, "phase": name, "peak": sum(comp.values()),
             "components": comp, "prefix_params": n,
