@@ -11,6 +11,7 @@ high-water mark (/proc/self/clear_refs), runs the real code path — `Visit(...)
 trainer (2 optimizer steps, so the second backward holds the optimizer state, then the
 end-of-visit eval and commit), `PrefixWorker(...)` over every shard for pre-inference — and
 reports VmHWM - baseline: the peak RSS growth over the process's baseline after imports.
+Each arm runs --repeats times (default 3), each in a fresh process; its row is the median.
 
 The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same config with
 target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) come from
@@ -18,8 +19,10 @@ target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) co
 the validated configs. Token stores are synthetic (random ids; sizes in SETS), checkpoints real
 (`preinfer init`), caches real (written by the pre-inference arms). gpt2-small runs at batch
 4 x 256 tokens with 32 MiB shards so an arm takes about a minute on 2 CPUs; the demo runs as
-configured with its real corpus sizes (11773 train / 1142 val samples). Peak RSS on a shared
-machine varies run to run (glibc arenas, codec threads): about +-10% per arm here.
+configured with its real corpus sizes (11773 train / 1142 val samples). Peak RSS varies run to
+run (which of glibc's per-thread malloc arenas holds a freed buffer): within ~10% for most arms,
+up to 32% for the gpt2-small pre-inference workers, which is why a row is the median of
+several (preinfer/hostmem.py; MALLOC_ARENA_MAX in the environment reaches the children).
 """
 
 from __future__ import annotations
@@ -90,8 +93,10 @@ def child(args) -> None:
             sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)}
         from storage.cache import CacheWriter
 
+        # every shard, not only the missing ones: a repeat rewrites the same bytes (allowed
+        # until the cache is finished) so each run does the same work
         items = [(p.fingerprint, s) for p in plans
-                 for s in CacheWriter.open(cfg.cache.root, p.fingerprint).missing_shards()]  # fmt: skip
+                 for s in range(CacheWriter.open(cfg.cache.root, p.fingerprint).num_shards)]  # fmt: skip
     gc.collect()
     base = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -147,12 +152,27 @@ def _phase(cls, attr: str, name: str, peaks: dict, base: int) -> None:
     setattr(cls, attr, wrapped)
 
 
-def _run_child(cfg_path: Path, *extra: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if out.returncode:
-        raise RuntimeError(f"arm {extra} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _run_child(cfg_path: Path, *extra: str, repeats: int = 1) -> dict:
+    """The arm in `repeats` fresh processes: the median peak (and per-phase medians), with
+    every run's peak in "samples". One process's peak moves run to run (which of glibc's
+    per-thread malloc arenas holds a freed buffer: torch's intra-op threads, the codec and I/O
+    threads), the median less."""
+    from statistics import median
+
+    runs = []
+    for _ in range(repeats):
+        cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            raise RuntimeError(f"arm {extra} failed:\n{out.stderr[-3000:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    keys = {k for r in runs for k in r["phases"]}
+    return {
+        "growth": median(r["growth"] for r in runs),
+        "samples": [r["growth"] for r in runs],
+        "phases": {k: median(r["phases"].get(k, 0) for r in runs) for k in sorted(keys)},
+        "seconds": median(r["seconds"] for r in runs),
+    }
 
 
 def _tokens(cfg, n_train: int, n_val: int) -> None:
@@ -209,9 +229,10 @@ def rescore(rows: list[dict]) -> list[dict]:
     return out
 
 
-def measure(name: str, work: Path, arms: str = "all") -> list[dict]:
+def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[dict]:
     """Set up one config under `work`, run its arms (all, preinfer or trainer: the trainer arms
-    still build the caches they read), return rows with estimate and measurement."""
+    still build the caches they read) `repeats` times each, return rows with estimate and
+    median measurement."""
     from pipelines.init import run_init
     from pipelines.preinfer import _finish, plan_caches
     from preinfer import memory as plan
@@ -237,14 +258,15 @@ def measure(name: str, work: Path, arms: str = "all") -> list[dict]:
                 _run_child(f, *extra)
             return
         est = _estimate(sh, part, p, label)
-        got = _run_child(f, *extra)
+        got = _run_child(f, *extra, repeats=repeats)
         rows.append({"config": name, "arm": label, "measured": got["growth"], "estimate": est["peak"],
-                     "phases": got["phases"],
+                     "samples": got["samples"], "phases": got["phases"],
                      "phase": est["phase"], "components": est["components"], "basis": est["basis"],
                      "seconds": got["seconds"]})  # fmt: skip
+        lo, hi = min(got["samples"]) / 2**20, max(got["samples"]) / 2**20
         print(
-            f"  {name:10s} {label:28s} measured {got['growth'] / 2**20:8.1f} MiB  estimate "
-            f"{est['peak'] / 2**20:8.1f} MiB ({est['phase']})",
+            f"  {name:10s} {label:28s} measured {got['growth'] / 2**20:8.1f} MiB "
+            f"[{lo:.1f}..{hi:.1f}]  estimate {est['peak'] / 2**20:8.1f} MiB ({est['phase']})",
             file=sys.stderr,
             flush=True,
         )
@@ -369,12 +391,17 @@ def suggest(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| config | arm | measured MiB | estimate MiB | error | peak phase (estimate) |",
-           "|---|---|---:|---:|---:|---|"]  # fmt: skip
+    out = ["| config | arm | measured MiB (median) | runs, min..max | estimate MiB | error "
+           "| error range over runs | peak phase (estimate) |",
+           "|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         err = (r["estimate"] - r["measured"]) / r["measured"]
-        out.append(f"| {r['config']} | {r['arm']} | {r['measured'] / 2**20:.1f} | "
-                   f"{r['estimate'] / 2**20:.1f} | {err:+.1%} | {r['phase']} |")  # fmt: skip
+        runs = r.get("samples", [r["measured"]])  # rows from before --repeats have one run
+        errs = sorted((r["estimate"] - m) / m for m in runs)
+        out.append(f"| {r['config']} | {r['arm']} | {r['measured'] / 2**20:.1f} | {len(runs)}, "
+                   f"{min(runs) / 2**20:.1f}..{max(runs) / 2**20:.1f} | "
+                   f"{r['estimate'] / 2**20:.1f} | {err:+.1%} | {errs[0]:+.1%}..{errs[-1]:+.1%} "
+                   f"| {r['phase']} |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -385,6 +412,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--calibrate", action="store_true", help="measure the runtime constants")
     ap.add_argument("--arms", choices=["all", "preinfer", "trainer"], default="all",
                     help="which arms to measure (default all)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="fresh processes per arm; the row is their median peak (default 3)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--rescore", default=None, metavar="JSON",
                     help="re-estimate the measured rows of an earlier --json (no measuring)")  # fmt: skip
@@ -410,13 +439,14 @@ def main(argv=None) -> dict | None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
         for name in names:
-            rows += measure(name, Path(tmp), args.arms)
+            rows += measure(name, Path(tmp), args.arms, args.repeats)
     if args.calibrate:
         print(suggest(rows))
     print(table(rows))
     print(
         f"\n(peak RSS growth over the post-import baseline, CPU, torch "
-        f"{__import__('torch').__version__}, {os.cpu_count()} CPUs)"
+        f"{__import__('torch').__version__}, {os.cpu_count()} CPUs, MALLOC_ARENA_MAX="
+        f"{os.environ.get('MALLOC_ARENA_MAX', 'unset (glibc default)')})"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -14,6 +14,17 @@ of every micro-batch). So the worker pins 4 MiB while it loads and casts its wei
 peaks 375 / 392 MB in two runs (pipelines/preinfer.py PrefixWorker).
 
     pin_malloc()   # once, early in a worker process; a no-op where glibc is not the allocator
+
+What is left of the spread comes from glibc's per-thread arenas (memory freed in one thread's
+arena is not reused by another; torch's intra-op threads allocate too): gpt2-small build->2 at
+one shard per call, where nothing overlaps, peaked at 460-621 MiB over 4 identical runs
+(bench/plan_accuracy.py children, 2026-11-29). Fewer arenas tighten it, at a cost in speed:
+MALLOC_ARENA_MAX=1 gave 435-448 MiB, =2 445-459 MiB (with 2, the bench's 3 runs per
+pre-inference arm spread at most 12%, against up to 32% with glibc's default:
+bench/results/plan_accuracy-preinfer-arena2-*), while a demo `cache build` took 7% (one
+arena) and 4% (two) longer than with glibc's default (3 interleaved runs each). So it is not the default; a user who wants the tighter peak sets
+MALLOC_ARENA_MAX before starting Ray (local Ray workers inherit it; it must be set before a
+process starts). The planner's CPU constants are measured with glibc's default.
 """
 
 from __future__ import annotations

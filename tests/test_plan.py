@@ -225,15 +225,18 @@ def test_bad_options_are_config_errors(tiny_run):
 
 @pytest.mark.slow
 def test_estimate_within_15_percent_of_measured_peak_on_demo(tmp_path):
-    """The real trainer and pre-inference worker on CPU (bench/plan_accuracy.py, demo config)."""
+    """The real trainer and pre-inference worker on CPU (bench/plan_accuracy.py, demo config):
+    each arm's median peak over 3 fresh processes (one process's peak moves 5-10%)."""
     import subprocess
     import sys
 
     out = tmp_path / "rows.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--configs", "demo",
-                    "--json", str(out)], check=True, cwd=ROOT)  # fmt: skip
-    for r in json.loads(out.read_text()):
-        assert abs(r["estimate"] - r["measured"]) <= 0.15 * r["measured"], r["arm"]
+                    "--repeats", "3", "--json", str(out)], check=True, cwd=ROOT)  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert len(rows) == 7 and all(len(r["samples"]) == 3 for r in rows)
+    for r in rows:
+        assert abs(r["estimate"] - r["measured"]) <= 0.15 * r["measured"], (r["arm"], r["samples"])
 
 
 def test_step_times_come_from_metrics_when_the_run_has_them(tiny_run):
