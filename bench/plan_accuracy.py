@@ -15,8 +15,8 @@ Each arm runs --repeats times (default 3), each in a fresh process; its row is t
 
 The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same config with
 target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) come from
---calibrate, which runs a minimal model and configs/llama-small.yaml at two shard sizes, never
-the validated configs. Token stores are synthetic (random ids; sizes in SETS), checkpoints real
+--calibrate, which runs a minimal model and configs/llama-small.yaml at two shard sizes (builds
+and a refresh), never the validated configs. Token stores are synthetic (random ids; sizes in SETS), checkpoints real
 (`preinfer init`), caches real (written by the pre-inference arms). gpt2-small runs at batch
 4 x 256 tokens with 32 MiB shards so an arm takes about a minute on 2 CPUs; the demo runs as
 configured with its real corpus sizes (11773 train / 1142 val samples). Peak RSS varies run to
@@ -156,13 +156,17 @@ def _run_child(cfg_path: Path, *extra: str, repeats: int = 1) -> dict:
     """The arm in `repeats` fresh processes: the median peak (and per-phase medians), with
     every run's peak in "samples". One process's peak moves run to run (which of glibc's
     per-thread malloc arenas holds a freed buffer: torch's intra-op threads, the codec and I/O
-    threads), the median less."""
+    threads), the median less. A pre-inference child gets the environment Ray gives the
+    worker actors (pipelines.preinfer.actor_env: two malloc arenas)."""
     from statistics import median
 
+    from pipelines.preinfer import actor_env
+
+    env = {**os.environ, **(actor_env() if "preinfer" in extra else {})}
     runs = []
     for _ in range(repeats):
         cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if out.returncode:
             raise RuntimeError(f"arm {extra} failed:\n{out.stderr[-3000:]}")
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -283,7 +287,7 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
         )
         _finish(cfg, plans)
     # refresh of the last boundary, into a second root
-    if M > 2 and name not in CALIBRATION and arms != "trainer":
+    if M > 2 and name != "calibrate" and arms != "trainer":
         import copy
         import shutil
 
@@ -335,7 +339,8 @@ def _line(xs, ys) -> tuple[float, float]:
 
 def suggest(rows: list[dict]) -> str:
     """The constants of preinfer.memory these measurements imply (paste them in by hand):
-    RUNTIME from the minimal model; then, on llama-small at two shard sizes, CPU_ALLOC from the
+    RUNTIME from the minimal model (a refresh's from llama-small's refresh arms); then, on
+    llama-small at two shard sizes, CPU_ALLOC from the
     token-fed trainer arms, HOST_IO cache_read from the cache-fed ones, and CPU_INFER and
     HOST_IO cache_write from the compute and encode phases of the pre-inference builds."""
     from statistics import mean
@@ -344,7 +349,7 @@ def suggest(rows: list[dict]) -> str:
 
     def path(r):
         if "pre-inference" in r["arm"]:
-            return "preinfer"
+            return "preinfer-refresh" if "refresh" in r["arm"] else "preinfer"
         return "trainer-cache" if r["basis"].get("cache_buffer") else "trainer"
 
     def peak(r):  # the trainer's backward peak (the constants below are backward terms)
@@ -352,11 +357,23 @@ def suggest(rows: list[dict]) -> str:
             r["phases"].get("backward", r["measured"]) if "trainer" in r["arm"] else r["measured"]
         )
 
+    def compute_rest(r):  # the compute phase's terms other than RUNTIME (one shard per call)
+        b_ = r["basis"]
+        return b_["weights"] + CPU_INFER * b_["work"] + 2 * b_["shard"] + b_["inputs"]
+
     out, run = [], {}
     for r in rows:
-        if r["config"] == "calibrate":
+        if r["config"] != "calibrate":
+            continue
+        if path(r) == "preinfer":  # the compute phase: the encode's own terms are fitted below
+            run["preinfer"] = r["phases"]["compute"] - compute_rest(r)
+        else:
             rest = r["estimate"] - r["components"]["runtime"]
             run[path(r)] = max(run.get(path(r), 0), peak(r) - rest)
+    # the minimal model has two blocks (no refresh): a refresh's fixed part from llama-small
+    fresh = [r for r in rows if path(r) == "preinfer-refresh"]
+    if fresh:
+        run["preinfer-refresh"] = mean(r["phases"]["compute"] - compute_rest(r) for r in fresh)
     # while loading: what the load phase holds beyond the weights (and the cast's copy), any arm
     run["load"] = max(
         r["phases"]["load"] - r["basis"]["load"] for r in rows if "load" in r["phases"]
@@ -445,8 +462,8 @@ def main(argv=None) -> dict | None:
     print(table(rows))
     print(
         f"\n(peak RSS growth over the post-import baseline, CPU, torch "
-        f"{__import__('torch').__version__}, {os.cpu_count()} CPUs, MALLOC_ARENA_MAX="
-        f"{os.environ.get('MALLOC_ARENA_MAX', 'unset (glibc default)')})"
+        f"{__import__('torch').__version__}, {os.cpu_count()} CPUs; pre-inference children "
+        f"with {__import__('pipelines.preinfer').preinfer.actor_env() or 'glibc defaults'})"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -323,6 +323,15 @@ def shards_per_task(shards: int, actors: int) -> int:
     return max(1, min(SHARDS_PER_TASK, shards // (2 * actors)))
 
 
+def actor_env() -> dict[str, str]:
+    """Environment of the worker processes: the allocator's (hostmem.worker_env: two malloc
+    arenas, so a worker's peak depends less on which thread freed what) and the test-only
+    fault switches when set."""
+    from preinfer.hostmem import worker_env
+
+    return {**worker_env(), **{k: os.environ[k] for k in (FAULT_ENV, SLOW_ENV) if k in os.environ}}
+
+
 def _run_workers(
     cfg: Config,
     plans: list[CachePlan],
@@ -347,7 +356,7 @@ def _run_workers(
     ctx.print_on_execution_start = False
     pool = min(cfg.preinfer.actors, len(items))
     per_task = shards_per_task(len(items), pool)
-    env = {k: os.environ[k] for k in (FAULT_ENV, SLOW_ENV) if k in os.environ}
+    env = actor_env()
     with warnings.catch_warnings():
         # restart/retry bounds are only accepted as (deprecated) free-form remote args
         warnings.simplefilter("ignore")

@@ -18,13 +18,14 @@ peaks 375 / 392 MB in two runs (pipelines/preinfer.py PrefixWorker).
 What is left of the spread comes from glibc's per-thread arenas (memory freed in one thread's
 arena is not reused by another; torch's intra-op threads allocate too): gpt2-small build->2 at
 one shard per call, where nothing overlaps, peaked at 460-621 MiB over 4 identical runs
-(bench/plan_accuracy.py children, 2026-11-29). Fewer arenas tighten it, at a cost in speed:
-MALLOC_ARENA_MAX=1 gave 435-448 MiB, =2 445-459 MiB (with 2, the bench's 3 runs per
-pre-inference arm spread at most 12%, against up to 32% with glibc's default:
-bench/results/plan_accuracy-preinfer-arena2-*), while a demo `cache build` took 7% (one
-arena) and 4% (two) longer than with glibc's default (3 interleaved runs each). So it is not the default; a user who wants the tighter peak sets
-MALLOC_ARENA_MAX before starting Ray (local Ray workers inherit it; it must be set before a
-process starts). The planner's CPU constants are measured with glibc's default.
+(bench/plan_accuracy.py children, 2026-11-29). Fewer arenas tighten it: MALLOC_ARENA_MAX=1
+gave 435-448 MiB, =2 445-459 MiB. Fewer arenas also mean more lock contention: against glibc's
+default, a demo `cache build` took 7% longer with one arena and 4% with two (3 interleaved
+runs each; with two, the runs overlap the default's: 34.9-37.8 s vs 35.0-37.7 s). So workers
+get two (`worker_env()`). The limit is read once per process, before its first thread
+allocates, so it cannot be set from inside a running worker (a mallopt there left the same
+spread); it travels in the worker process's environment, given to Ray as the actors'
+runtime_env. A user's own MALLOC_ARENA_MAX wins.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import sys
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
 DEFAULT_THRESHOLD = 4 * 2**20
 ENV = "PREINFER_MALLOC_MMAP_THRESHOLD"  # bytes; 0 = leave glibc's dynamic threshold alone
+ARENA_ENV = "MALLOC_ARENA_MAX"  # glibc's own variable: malloc arenas per process
+WORKER_ARENAS = 2
 
 _pinned: int | None = None
 
@@ -76,3 +79,12 @@ def pin_malloc(threshold: int | None = None) -> int | None:
 def pinned() -> int | None:
     """The threshold this process pinned, if any."""
     return _pinned
+
+
+def worker_env() -> dict[str, str]:
+    """Environment variables for a pre-inference worker process (set before it starts):
+    WORKER_ARENAS malloc arenas, unless this process's own MALLOC_ARENA_MAX says otherwise, or
+    none when PREINFER_MALLOC_MMAP_THRESHOLD=0 turned the allocator settings off."""
+    if ARENA_ENV in os.environ:
+        return {ARENA_ENV: os.environ[ARENA_ENV]}
+    return {} if os.environ.get(ENV, "").strip() == "0" else {ARENA_ENV: str(WORKER_ARENAS)}

@@ -63,7 +63,10 @@ OPT_TEMP = {"cpu": {"sgd": 1, "adam": 3, "adamw": 2}, "gpu": {"sgd": 1, "adam": 
 # (RUNTIME preinfer and cache_write's fixed part trade off; its one-shard-per-call runs suggested
 # CPU_INFER 3.09, cache_write (68 MiB, 1.23)): CPU_INFER, cache_write and RUNTIME preinfer are
 # set by hand from the earlier fits and left as they are; with them the calibration configs'
-# pre-inference arms are within 11% and the validated ones within 15%.
+# pre-inference arms are within 11% and the validated ones within 15%. Since 2026-11-30 workers
+# run with two malloc arenas (preinfer/hostmem.py) and --calibrate measures a refresh too
+# (plan_accuracy-calibrate-arena2-20261130-0000.log): the builds' fixed part measured from the
+# compute phase is 40-57 MiB (53 kept), a refresh's 9 and 21 MiB (15: "preinfer-refresh").
 # Re-measure when storage/, the trainer or the libraries change.
 # RUNTIME: fixed peak-RSS growth of each code path. CPU_ALLOC: RSS per live byte of activations
 # (glibc keeps the forward's freed temporaries in its heap). CPU_INFER: the same for the bf16
@@ -75,11 +78,15 @@ RUNTIME = {
     ("cpu", "trainer"): 59 * MiB,
     ("cpu", "trainer-cache"): 55 * MiB,
     ("cpu", "preinfer"): 53 * MiB,
+    # a refresh reads no token store: a build's token reads alone leave ~45 MiB resident
+    # (Arrow/Parquet buffers and pools; llama-small, 8 MiB shards, fresh process, 2 arenas)
+    ("cpu", "preinfer-refresh"): 15 * MiB,
     # while weights load, before any compute (no thread pools, arenas or codec threads yet)
     ("cpu", "load"): 4 * MiB,
     ("gpu", "trainer"): 768 * MiB,
     ("gpu", "trainer-cache"): 768 * MiB,
     ("gpu", "preinfer"): 768 * MiB,
+    ("gpu", "preinfer-refresh"): 768 * MiB,
 }
 CPU_ALLOC = 1.42
 CPU_INFER = 1.78
@@ -381,7 +388,7 @@ def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool
         }  # fmt: skip
     if cpu:  # fp32 from the file, cast tensor by tensor: + the cast copy of the largest one
         phases["load"] = dict(weights=4 * n + cb * big, runtime=RUNTIME[("cpu", "load")])
-    run = RUNTIME[("cpu" if cpu else "gpu", "preinfer")]
+    run = RUNTIME[("cpu" if cpu else "gpu", "preinfer-refresh" if refresh else "preinfer")]
     name, comp = _worst(phases, ("weights", "activations", "shard"), run)
     return {"stage": f"pre-inference {'refresh' if refresh else 'build'} -> boundary {block}",
             "block": block, "refresh": refresh, "phase": name, "peak": sum(comp.values()),
