@@ -19,12 +19,13 @@ What is left of the spread comes from glibc's per-thread arenas (memory freed in
 arena is not reused by another; torch's intra-op threads allocate too): gpt2-small build->2 at
 one shard per call, where nothing overlaps, peaked at 460-621 MiB over 4 identical runs
 (bench/plan_accuracy.py children, 2026-11-29). Fewer arenas tighten it: MALLOC_ARENA_MAX=1
-gave 435-448 MiB, =2 445-459 MiB. Fewer arenas also mean more lock contention: against glibc's
-default, a demo `cache build` took 7% longer with one arena and 4% with two (3 interleaved
-runs each; with two, the runs overlap the default's: 34.9-37.8 s vs 35.0-37.7 s). So workers
+gave 435-448 MiB (4 runs), =2 429-487 MiB (6 runs over two bench runs, 3 of them 452-475).
+Fewer arenas also mean more lock contention: against glibc's default, a demo `cache build`
+took 7% longer with one arena and 4% with two (3 interleaved runs each; with two, the runs
+overlap the default's: 34.9-37.8 s vs 35.0-37.7 s). So workers
 get two (`worker_env()`). The limit is read once per process, before its first thread
-allocates, so it cannot be set from inside a running worker (a mallopt there left the same
-spread); it travels in the worker process's environment, given to Ray as the actors'
+allocates, so it cannot be set from inside a running worker (mallopt(M_ARENA_MAX, 1) there
+left 475-587 MiB); it travels in the worker process's environment, given to Ray as the actors'
 runtime_env. A user's own MALLOC_ARENA_MAX wins.
 """
 
