@@ -16,11 +16,11 @@ Each arm runs --repeats times (default 3), each in a fresh process; its row is t
 The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same config with
 target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) come from
 --calibrate, which runs a minimal model and configs/llama-small.yaml at two shard sizes (builds
-and a refresh), never the validated configs. Token stores are synthetic (random ids; sizes in SETS), checkpoints real
-(`preinfer init`), caches real (written by the pre-inference arms). gpt2-small runs at batch
-4 x 256 tokens with 32 MiB shards so an arm takes about a minute on 2 CPUs; the demo runs as
-configured with its real corpus sizes (11773 train / 1142 val samples). Peak RSS varies run to
-run (which of glibc's per-thread malloc arenas holds a freed buffer): within ~10% for most arms,
+and a refresh), never the validated configs. Token stores are synthetic (random ids; sizes in
+SETS), checkpoints real (`preinfer init`), caches real (written by the pre-inference arms).
+gpt2-small runs at batch 4 x 256 tokens with 32 MiB shards so an arm takes about a minute on 2
+CPUs; the demo runs as configured with its real corpus sizes (11773 train / 1142 val samples).
+Peak RSS varies run to run (which of glibc's per-thread malloc arenas holds a freed buffer): within ~10% for most arms,
 up to 32% for the gpt2-small pre-inference workers, which is why a row is the median of
 several (preinfer/hostmem.py; MALLOC_ARENA_MAX in the environment reaches the children).
 """
@@ -340,9 +340,9 @@ def _line(xs, ys) -> tuple[float, float]:
 def suggest(rows: list[dict]) -> str:
     """The constants of preinfer.memory these measurements imply (paste them in by hand):
     RUNTIME from the minimal model (a refresh's from llama-small's refresh arms); then, on
-    llama-small at two shard sizes, CPU_ALLOC from the
-    token-fed trainer arms, HOST_IO cache_read from the cache-fed ones, and CPU_INFER and
-    HOST_IO cache_write from the compute and encode phases of the pre-inference builds."""
+    llama-small at two shard sizes, CPU_ALLOC from the token-fed trainer arms, HOST_IO
+    cache_read from the cache-fed ones, and CPU_INFER and HOST_IO cache_write from the compute
+    and encode phases of the pre-inference builds."""
     from statistics import mean
 
     from preinfer.memory import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
@@ -460,10 +460,13 @@ def main(argv=None) -> dict | None:
     if args.calibrate:
         print(suggest(rows))
     print(table(rows))
+    import torch
+
+    from pipelines.preinfer import actor_env
+
     print(
-        f"\n(peak RSS growth over the post-import baseline, CPU, torch "
-        f"{__import__('torch').__version__}, {os.cpu_count()} CPUs; pre-inference children "
-        f"with {__import__('pipelines.preinfer').preinfer.actor_env() or 'glibc defaults'})"
+        f"\n(peak RSS growth over the post-import baseline, CPU, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs; pre-inference children with {actor_env() or 'glibc defaults'})"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

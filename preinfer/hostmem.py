@@ -22,11 +22,11 @@ one shard per call, where nothing overlaps, peaked at 460-621 MiB over 4 identic
 gave 435-448 MiB (4 runs), =2 429-487 MiB (6 runs over two bench runs, 3 of them 452-475).
 Fewer arenas also mean more lock contention: against glibc's default, a demo `cache build`
 took 7% longer with one arena and 4% with two (3 interleaved runs each; with two, the runs
-overlap the default's: 34.9-37.8 s vs 35.0-37.7 s). So workers
-get two (`worker_env()`). The limit is read once per process, before its first thread
-allocates, so it cannot be set from inside a running worker (mallopt(M_ARENA_MAX, 1) there
-left 475-587 MiB); it travels in the worker process's environment, given to Ray as the actors'
-runtime_env. A user's own MALLOC_ARENA_MAX wins.
+overlap the default's: 34.9-37.8 s vs 35.0-37.7 s). So workers get two (`worker_env()`). The
+limit is read once per process, before its first thread allocates, so it cannot be set from
+inside a running worker (mallopt(M_ARENA_MAX, 1) there left 475-587 MiB); it travels in the
+worker process's environment, given to Ray as the actors' runtime_env. A user's own
+MALLOC_ARENA_MAX wins.
 """
 
 from __future__ import annotations
@@ -55,16 +55,21 @@ def _libc():
         return None
 
 
+def env_threshold() -> int:
+    """$PREINFER_MALLOC_MMAP_THRESHOLD in bytes (0 = allocator settings off), else 4 MiB."""
+    raw = os.environ.get(ENV, "")
+    try:
+        return int(raw) if raw else DEFAULT_THRESHOLD
+    except ValueError:
+        raise ValueError(f"{ENV} must be a byte count (0 = off), got {raw!r}") from None
+
+
 def pin_malloc(threshold: int | None = None) -> int | None:
     """Fix glibc's mmap threshold at `threshold` bytes (default: $PREINFER_MALLOC_MMAP_THRESHOLD,
     else 4 MiB) and trim the heap; returns the threshold set, or None (not glibc, or 0 = off)."""
     global _pinned
     if threshold is None:
-        raw = os.environ.get(ENV, "")
-        try:
-            threshold = int(raw) if raw else DEFAULT_THRESHOLD
-        except ValueError:
-            raise ValueError(f"{ENV} must be a byte count (0 = off), got {raw!r}") from None
+        threshold = env_threshold()
     if threshold < 0:
         raise ValueError(f"mmap threshold must be >= 0 bytes (0 = off), got {threshold}")
     libc = _libc()
@@ -88,4 +93,4 @@ def worker_env() -> dict[str, str]:
     none when PREINFER_MALLOC_MMAP_THRESHOLD=0 turned the allocator settings off."""
     if ARENA_ENV in os.environ:
         return {ARENA_ENV: os.environ[ARENA_ENV]}
-    return {} if os.environ.get(ENV, "").strip() == "0" else {ARENA_ENV: str(WORKER_ARENAS)}
+    return {} if env_threshold() == 0 else {ARENA_ENV: str(WORKER_ARENAS)}
