@@ -72,7 +72,7 @@ def child(args) -> None:
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step: ~75 MB)
     import transformers  # noqa: F401
 
-    from pipelines.preinfer import PrefixWorker, plan_caches
+    from pipelines.preinfer import PrefixWorker, compute_choice, plan_caches
     from pipelines.train import visit_spec
     from preinfer.config import config_from_dict
     from preinfer.device import resolve_device
@@ -122,7 +122,10 @@ def child(args) -> None:
         _phase(CacheWriter, "write_shard", "encode", phases, base)
         from pipelines.preinfer import shards_per_task
 
-        worker = PrefixWorker(cfg.to_dict(), args.block, first, sources)
+        choice = compute_choice(cfg)
+        worker = PrefixWorker(
+            cfg.to_dict(), args.block, first, sources, choice.compute, choice.round_to
+        )
         pool = min(cfg.preinfer.actors, len(items))
         k = shards_per_task(len(items), pool)  # as the actor pool's calls get them (_run_workers)
         for j in range(0, len(items), k):

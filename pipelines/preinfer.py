@@ -27,6 +27,7 @@ from tqdm import tqdm
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
 from preinfer.confload import ConfigError
+from preinfer.device import ComputeChoice, compute_dtype, compute_dtype_key, torch_dtype
 from preinfer.fingerprint import cache_fingerprint
 from storage import codecs, fs
 from storage.tokens import TokenStore
@@ -96,6 +97,11 @@ def codec_spec(cfg: Config) -> dict:
     return {"codec": c.codec, "shuffle": c.shuffle, "level": c.level, "shard_mb": c.shard_mb}
 
 
+def compute_choice(cfg: Config) -> ComputeChoice:
+    """The dtype the prefix computes in for this config on this machine (see compute_dtype)."""
+    return compute_dtype(cfg.preinfer.compute_dtype, cfg.cache.dtype, cfg.run.device)
+
+
 def fingerprint_for(
     cfg: Config, ckpt: Checkpoint, store: TokenStore, block: int, split: str, round_: int
 ) -> str:
@@ -108,6 +114,7 @@ def fingerprint_for(
         dtype=cfg.cache.dtype,
         codec=codec_spec(cfg),
         sampling=sampling_spec(cfg, split, round_),
+        compute=compute_dtype_key(compute_choice(cfg), cfg.cache.dtype),
     )
 
 
@@ -122,6 +129,7 @@ def cache_meta(
         "prefix": ckpt.prefix_hash(block),
         "model": ckpt.model_config_dict,
         "sampling": sampling_spec(cfg, split, round_),
+        "compute_dtype": compute_choice(cfg).compute,
         "config": cfg.to_dict(),
         "checkpoint": str(fs.path(cfg.run.checkpoint).resolve()),  # a URL stays a URL
     }
@@ -183,12 +191,21 @@ class PrefixWorker:
     """Ray actor: runs blocks [first, block) of the checkpoint and writes whole cache shards.
 
     first = 0 (build, input = token ids) or block-1 (refresh, input = the boundary-(block-1)
-    cache). Constructed once per actor from plain data (config dict and paths).
+    cache). Constructed once per actor from plain data (config dict, paths, and the compute
+    dtype the driver resolved, so every actor computes alike).
     """
 
-    def __init__(self, cfg_dict: dict, block: int, first: int, sources: dict[str, str]):
+    def __init__(
+        self,
+        cfg_dict: dict,
+        block: int,
+        first: int,
+        sources: dict[str, str],
+        compute: str,
+        round_to: str | None,
+    ):
         from preinfer.adapters import forward_blocks
-        from preinfer.device import resolve_device, torch_dtype
+        from preinfer.device import resolve_device
         from preinfer.hostmem import pin_malloc, pinned
         from storage.cache import CacheWriter
 
@@ -197,7 +214,8 @@ class PrefixWorker:
         self.cfg = config_from_dict(cfg_dict)
         self.block, self.first, self.sources = block, first, sources
         self.device = resolve_device(self.cfg.run.device)
-        self.dtype = torch_dtype(self.cfg.cache.dtype)
+        self.dtype = torch_dtype(compute)
+        self.round_to = torch_dtype(round_to) if round_to else None
         ckpt = Checkpoint.open(self.cfg.run.checkpoint)
         self.model, self.adapter = ckpt.load(range(first, block), device=self.device)
         self.model.to(self.dtype).eval()
@@ -223,14 +241,24 @@ class PrefixWorker:
 
     @torch.inference_mode()
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, S) ids or (n, S, H) hidden -> (n, S, H) hidden entering `block`, in micro-batches."""
+        """(n, S) ids or (n, S, H) hidden -> (n, S, H) hidden entering `block`, in micro-batches,
+        one block at a time: with round_to set, each block's output (B, S, H) is rounded to the
+        stored dtype, so the hidden entering every block is what a cache of it would hold."""
         mb = self.cfg.preinfer.micro_batch
         outs = []
         for i in range(0, len(x), mb):
             xi = x[i : i + mb].to(self.device)
             if xi.is_floating_point():
                 xi = xi.to(self.dtype)
-            outs.append(self._forward(self.adapter, self.part, xi, self.first, self.block).cpu())
+            for b in range(self.first, self.block):
+                xi = self._forward(self.adapter, self.part, xi, b, b + 1)
+                if self.round_to is not None:
+                    xi = (
+                        xi.to(self.round_to)
+                        if b == self.block - 1
+                        else xi.to(self.round_to).to(self.dtype)
+                    )
+            outs.append(xi.cpu())
         return torch.cat(outs)
 
     def __call__(self, batch: dict) -> dict:
@@ -354,6 +382,8 @@ def _run_workers(
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+    choice = compute_choice(cfg)
+    log(f"  compute dtype {choice.compute} ({choice.reason})")
     pool = min(cfg.preinfer.actors, len(items))
     per_task = shards_per_task(len(items), pool)
     env = actor_env()
@@ -367,6 +397,8 @@ def _run_workers(
                 "block": block,
                 "first": first,
                 "sources": sources,
+                "compute": choice.compute,
+                "round_to": choice.round_to,
             },
             batch_size=per_task,
             compute=ray.data.ActorPoolStrategy(size=pool),

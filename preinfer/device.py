@@ -1,12 +1,20 @@
-"""Device and precision choice: CUDA + bf16 autocast when a GPU is present, fp32 on CPU."""
+"""Device and precision choice: CUDA + bf16 autocast when a GPU is present, fp32 on CPU; the
+pre-inference compute dtype by what the hardware runs fast."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from dataclasses import dataclass
 
 import torch
 
 from preinfer.confload import ConfigError
+
+# the dtype a stored cache dtype was computed in before compute_dtype existed (the fingerprint's
+# reference: a cache computed this way keeps its fingerprint; any other compute dtype enters it)
+NATIVE_COMPUTE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # int8 / fp8: fp32
+ROUNDED_STORE = ("bf16", "fp16")  # float stores that fp32 compute rounds to at block boundaries
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -29,7 +37,67 @@ def autocast(device: torch.device, precision: str = "auto"):
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """Cache dtype name -> the torch dtype the prefix computes and stores in."""
+    """Dtype name -> torch dtype (lossy cache dtypes: fp32, the dtype they quantize from)."""
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
         name, torch.float32
     )
+
+
+@functools.cache
+def cpu_native_bf16() -> tuple[bool, str]:
+    """(whether this CPU has bf16 matmul instructions, its name for them). x86: AVX512-BF16 or
+    AMX-BF16; ARM: bf16 (NEON) or SVE-bf16. Without them a bf16 matmul is emulated: ~50x
+    slower than fp32 on an AVX2 CPU."""
+    caps = torch.cpu.get_capabilities()
+    have = [k for k in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16") if caps.get(k) is True]
+    cap = torch.backends.cpu.get_cpu_capability()
+    return bool(have), f"{cap}{' + ' + ', '.join(have) if have else ''}"
+
+
+@dataclass(frozen=True)
+class ComputeChoice:
+    """The dtype a prefix forward computes in, and the stored dtype it rounds to at each block
+    boundary (None: no rounding, the compute dtype is the stored one or the store is lossy)."""
+
+    compute: str
+    round_to: str | None
+    reason: str
+
+
+def compute_dtype(requested: str, cache_dtype: str, device: str = "auto") -> ComputeChoice:
+    """Resolve preinfer.compute_dtype for a cache of `cache_dtype` on run.device `device`.
+
+    auto: the stored float dtype where the device computes in it natively (CUDA; a CPU with
+    AVX512-BF16/AMX for bf16), else fp32 with each block's output rounded to the stored dtype,
+    so that a refresh (which starts from the stored boundary) equals a build bit for bit.
+    """
+    native = NATIVE_COMPUTE.get(cache_dtype, "fp32")
+    if requested not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"preinfer.compute_dtype must be auto, fp32 or bf16, got {requested!r}")
+    kind = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if requested != "auto":
+        name, reason = requested, f"preinfer.compute_dtype={requested}"
+    elif native == "fp32":
+        name, reason = "fp32", f"cache.dtype={cache_dtype} computes in fp32"
+    elif kind == "cuda":
+        name, reason = native, f"{native} on CUDA"
+    else:
+        fast, cap = cpu_native_bf16()
+        if native == "bf16" and fast:
+            name, reason = "bf16", f"CPU capability {cap}: native bf16"
+        else:
+            name, reason = (
+                "fp32",
+                (
+                    f"CPU capability {cap}: no native {native} matmul (emulated ~50x slower than "
+                    f"fp32), so fp32 rounded to {native} at each block boundary"
+                ),
+            )
+    round_to = cache_dtype if cache_dtype in ROUNDED_STORE and name != cache_dtype else None
+    return ComputeChoice(compute=name, round_to=round_to, reason=reason)
+
+
+def compute_dtype_key(choice: ComputeChoice, cache_dtype: str) -> str | None:
+    """The compute dtype as a fingerprint field: None where it is the stored dtype's own
+    (caches written before compute_dtype existed keep their fingerprint)."""
+    return None if choice.compute == NATIVE_COMPUTE.get(cache_dtype, "fp32") else choice.compute

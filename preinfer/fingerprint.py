@@ -78,12 +78,14 @@ def cache_fingerprint(
     dtype: str,
     codec: Mapping[str, Any],
     sampling: Mapping[str, Any] | None = None,
+    compute: str | None = None,
 ) -> str:
     """Fingerprint of the boundary cache: everything that decides its bytes.
 
     tokens: token-set fingerprint; prefix: content hash of blocks 0..boundary-1 (from the
     checkpoint index); model: the model config (architecture); codec: codec settings;
-    sampling: which subset of samples (None = all).
+    sampling: which subset of samples (None = all); compute: the dtype the prefix computed in,
+    None where it is the stored dtype's own (then it is not hashed: older caches keep theirs).
     """
     return chain(
         "cache",
@@ -96,4 +98,5 @@ def cache_fingerprint(
         codec=codec,
         sampling=sampling or {"fraction": 1.0},
         format_version=CACHE_FORMAT_VERSION,
+        **({"compute_dtype": compute} if compute is not None else {}),
     )[: 2 * SHORT]

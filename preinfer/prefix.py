@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from preinfer.confload import ConfigError
 
@@ -19,6 +20,9 @@ class PreinferConfig:
     """Samples per forward call inside an actor."""
     sample_fraction: float = 1.0
     """Fraction of train samples cached per round (deterministic per seed and round; part of the fingerprint)."""
+    compute_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Dtype the prefix computes in; auto = the cache dtype where the device runs it natively
+    (CUDA, AVX512-BF16/AMX CPUs), else fp32 rounded to the cache dtype at each block boundary."""
     max_restarts: int = 2
     """How often a dead actor is restarted."""
     max_task_retries: int = -1

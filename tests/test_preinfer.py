@@ -17,8 +17,9 @@ from tests.pipeline_fixtures import quiet
 pytestmark = pytest.mark.ray
 
 
-def reference(cfg, block, split, dtype):
-    """The model's own forward to `block`, in the same micro-batches the workers use."""
+def reference(cfg, block, split, dtype, round_to=None):
+    """The model's own forward to `block`, in the same micro-batches the workers use; with
+    round_to, one block at a time, each block's output rounded to round_to (then back to dtype)."""
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     model, adapter = ckpt.load(range(ckpt.num_blocks))
     model.to(dtype).eval()
@@ -33,9 +34,14 @@ def reference(cfg, block, split, dtype):
         for i in range(cache.num_shards):
             a, b = cache.shard_range(i)
             for s in range(a, b, mb):
-                out.append(
-                    forward_blocks(adapter, ckpt.partition, ids[s : min(b, s + mb)], 0, block)
-                )
+                x = ids[s : min(b, s + mb)]
+                if round_to is None:
+                    out.append(forward_blocks(adapter, ckpt.partition, x, 0, block))
+                    continue
+                for k in range(block):
+                    x = forward_blocks(adapter, ckpt.partition, x, k, k + 1).to(round_to)
+                    x = x if k == block - 1 else x.to(dtype)
+                out.append(x)
     return cache, torch.cat(out)
 
 
@@ -53,12 +59,69 @@ def test_fp32_cache_equals_model_forward_and_is_reused(tiny_run):
 
 
 def test_bf16_cache_equals_bf16_forward(tiny_run):
-    cfg = tiny_run("cache.dtype=bf16")
-    build_cache(cfg, 1, log=quiet)
-    cache, ref = reference(cfg, 1, "val", torch.bfloat16)
+    cfg = tiny_run("cache.dtype=bf16", "preinfer.compute_dtype=bf16")
+    build_cache(cfg, 2, log=quiet)
+    cache, ref = reference(cfg, 2, "val", torch.bfloat16)
     hidden = cache.read_rows(0, cache.num_samples, dtype=torch.bfloat16)[0]
     assert hidden.dtype == torch.bfloat16
     assert torch.equal(hidden, ref)
+    assert cache.manifest["meta"]["compute_dtype"] == "bf16"
+
+
+def test_bf16_cache_from_fp32_compute_equals_per_block_rounded_forward(tiny_run):
+    """Where bf16 is not native (forced here on any machine): each block computes in fp32 and
+    its output is rounded to bf16, so the hidden entering every block is what a cache holds."""
+    cfg = tiny_run("cache.dtype=bf16", "preinfer.compute_dtype=fp32")
+    res = build_cache(cfg, 2, log=quiet)
+    cache, ref = reference(cfg, 2, "val", torch.float32, round_to=torch.bfloat16)
+    hidden = cache.read_rows(0, cache.num_samples, dtype=torch.bfloat16)[0]
+    assert torch.equal(hidden, ref)
+    assert cache.manifest["meta"]["compute_dtype"] == "fp32"
+    _, whole = reference(cfg, 2, "val", torch.float32)  # rounding only at the end differs
+    assert not torch.equal(hidden, whole.to(torch.bfloat16))
+    # a compute dtype other than the stored one enters the fingerprint; the stored dtype's own
+    # does not (caches written before compute_dtype existed keep theirs)
+    bf = {p.split: p.fingerprint for p in plan_caches(
+        tiny_run("cache.dtype=bf16", "preinfer.compute_dtype=bf16"), 2, create=False)}  # fmt: skip
+    assert bf != res["fingerprints"]
+    fp32 = tiny_run("preinfer.compute_dtype=fp32")
+    auto = tiny_run()
+    assert [p.fingerprint for p in plan_caches(fp32, 2, create=False)] == [
+        p.fingerprint for p in plan_caches(auto, 2, create=False)
+    ]
+
+
+def test_auto_compute_dtype_follows_the_hardware(monkeypatch):
+    from preinfer import device
+
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: False)
+    for native, want in ((False, ("fp32", "bf16")), (True, ("bf16", None))):
+        monkeypatch.setattr(device, "cpu_native_bf16", lambda n=native: (n, "TEST"))
+        c = device.compute_dtype("auto", "bf16")
+        assert (c.compute, c.round_to) == want and "TEST" in c.reason
+    assert device.compute_dtype("auto", "bf16", "cuda").compute == "bf16"
+    assert device.compute_dtype("auto", "int8").compute == "fp32"
+    assert device.compute_dtype("fp32", "fp16").round_to == "fp16"
+    with pytest.raises(ConfigError, match="compute_dtype"):
+        device.compute_dtype("fp8", "bf16")
+
+
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_bf16_refresh_equals_build_bit_exact(tiny_run, tmp_path, compute):
+    cfg = tiny_run("cache.dtype=bf16", f"preinfer.compute_dtype={compute}")
+    build_cache(cfg, 1, log=quiet)
+    res = refresh_cache(cfg, 2, log=quiet)
+    other = tiny_run(
+        "cache.dtype=bf16", f"preinfer.compute_dtype={compute}", f"cache.root={tmp_path / 'o'}"
+    )
+    built = build_cache(other, 2, log=quiet)
+    assert built["fingerprints"] == res["fingerprints"]
+    for fp in res["fingerprints"].values():
+        a = open_cache(cfg.cache.root, fp).read_rows(
+            0, open_cache(cfg.cache.root, fp).num_samples, dtype=torch.bfloat16
+        )[0]
+        b = open_cache(other.cache.root, fp).read_rows(0, len(a), dtype=torch.bfloat16)[0]
+        assert torch.equal(a, b)
 
 
 def test_refresh_equals_build_bit_exact(tiny_run, tmp_path):
@@ -156,9 +219,10 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
 def _worker_run(cfg, block, first):
     """Every missing shard of boundary `block` written by ONE in-process PrefixWorker call
     per cache (the pipelined path: prefetch + background write), then finalized."""
-    from pipelines.preinfer import PrefixWorker
+    from pipelines.preinfer import PrefixWorker, compute_choice
     from storage.cache import CacheWriter
 
+    choice = compute_choice(cfg)
     plans = plan_caches(cfg, block)
     prev = plan_caches(cfg, block - 1, create=False) if first else plans
     w = PrefixWorker(
@@ -166,6 +230,8 @@ def _worker_run(cfg, block, first):
         block,
         first,
         {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)},
+        choice.compute,
+        choice.round_to,
     )
     for p in plans:
         out = w({"fingerprint": np.array([p.fingerprint] * len(p.missing)),
