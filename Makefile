@@ -5,7 +5,7 @@ CONFIG  ?= configs/demo.yaml
 BLOCK   ?= 1
 SET     ?=
 SETARGS := $(foreach s,$(SET),--set $(s))
-CLI     := $(PY) -m preinfer.cli
+CLI     := $(PY) -m pipelines.cli
 PYTEST_WORKERS ?=
 
 .PHONY: setup test test-slow test-cluster lint format demo tokenize init preinfer refresh train bcd eval plan report study bench clean
@@ -28,9 +28,10 @@ test-slow: $(STAMP)
 test-cluster: $(STAMP)  # real `ray start` clusters on 127.0.0.1, torn down by pid
 	$(PY) -m pytest -q -m cluster
 
-lint: $(STAMP)
+lint: $(STAMP)  # style, format, and the layer order (no upward import, no cycle)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 format: $(STAMP)
 	$(PY) -m ruff format .

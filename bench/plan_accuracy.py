@@ -72,8 +72,9 @@ def child(args) -> None:
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step: ~75 MB)
     import transformers  # noqa: F401
 
-    from pipelines.preinfer import PrefixWorker, compute_choice, plan_caches
+    from pipelines.cache_build import PrefixWorker
     from pipelines.train import visit_spec
+    from preinfer.cache_identity import compute_choice, plan_caches
     from preinfer.config import config_from_dict
     from preinfer.device import resolve_device
     from preinfer.modeling import build_model
@@ -120,14 +121,16 @@ def child(args) -> None:
         _phase(PrefixWorker, "__init__", "load", phases, base)
         _phase(PrefixWorker, "_compute", "compute", phases, base)
         _phase(CacheWriter, "write_shard", "encode", phases, base)
-        from pipelines.preinfer import shards_per_task
+        from pipelines.cache_build import shards_per_task
 
         choice = compute_choice(cfg)
         worker = PrefixWorker(
             cfg.to_dict(), args.block, first, sources, choice.compute, choice.round_to
         )
         pool = min(cfg.preinfer.actors, len(items))
-        k = shards_per_task(len(items), pool)  # as the actor pool's calls get them (_run_workers)
+        k = shards_per_task(
+            cfg, len(items), pool
+        )  # as the actor pool's calls get them (_run_workers)
         for j in range(0, len(items), k):
             group = items[j : j + k]
             worker({"fingerprint": [fp for fp, _ in group], "shard": [s for _, s in group]})
@@ -160,12 +163,14 @@ def _run_child(cfg_path: Path, *extra: str, repeats: int = 1) -> dict:
     every run's peak in "samples". One process's peak moves run to run (which of glibc's
     per-thread malloc arenas holds a freed buffer: torch's intra-op threads, the codec and I/O
     threads), the median less. A pre-inference child gets the environment Ray gives the
-    worker actors (pipelines.preinfer.actor_env: two malloc arenas)."""
+    worker actors (pipelines.cache_build.actor_env: two malloc arenas)."""
     from statistics import median
 
-    from pipelines.preinfer import actor_env
+    from pipelines.cache_build import actor_env
+    from preinfer.config import config_from_dict
 
-    env = {**os.environ, **(actor_env() if "preinfer" in extra else {})}
+    arm_cfg = config_from_dict(json.loads(cfg_path.read_text()))
+    env = {**os.environ, **(actor_env(arm_cfg) if "preinfer" in extra else {})}
     runs = []
     for _ in range(repeats):
         cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
@@ -197,13 +202,13 @@ def _tokens(cfg, n_train: int, n_val: int) -> None:
 
 def _setup(cfg, sh, n_tr: int, n_val: int):
     """The planner's Setup for an arm's config, pipelined as the child's worker calls are."""
-    from pipelines.preinfer import shards_per_task
+    from pipelines.cache_build import shards_per_task
     from preinfer import memory as plan
-    from storage.cache import rows_per_shard
+    from storage.layout import rows_per_shard
 
     rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
     shards = -(-n_tr // rps) + -(-n_val // rps)  # the child's calls, as the actor pool gets them
-    pipelined = shards_per_task(shards, min(cfg.preinfer.actors, shards)) > 1
+    pipelined = shards_per_task(cfg, shards, min(cfg.preinfer.actors, shards)) > 1
     return plan.setup_for(cfg, sh, target="cpu", n_train=n_tr, n_val=n_val, pipelined=pipelined)
 
 
@@ -236,18 +241,22 @@ def rescore(rows: list[dict]) -> list[dict]:
     return out
 
 
+CALIBRATE_OVERRIDES: list[str] = []  # --calibrate: one shard per worker call
+
+
 def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[dict]:
     """Set up one config under `work`, run its arms (all, preinfer or trainer: the trainer arms
     still build the caches they read) `repeats` times each, return rows with estimate and
     median measurement."""
+    from pipelines.cache_build import _finish
     from pipelines.init import run_init
-    from pipelines.preinfer import _finish, plan_caches
     from preinfer import memory as plan
+    from preinfer.cache_identity import plan_caches
     from preinfer.checkpoint import Checkpoint
     from preinfer.config import load_config
 
     path, over, n_tr, n_val = SETS[name]
-    over = [*COMMON, *over, f"run.dir={work / name}"]
+    over = [*COMMON, *CALIBRATE_OVERRIDES, *over, f"run.dir={work / name}"]
     cfg = load_config(ROOT / path if path else None, over)
     _tokens(cfg, n_tr, n_val)
     run_init(cfg, log=lambda *a: None)
@@ -397,7 +406,7 @@ def suggest(rows: list[dict]) -> str:
         f"HOST_IO cache_read: ({read[0] / MiB:.0f} * MiB, {read[1]:.2f}) (now {HOST_IO['cache_read']})"
     )
     pre = [r for r in cal if "build" in r["arm"]]
-    # calibration children run one shard per call (PREINFER_SHARDS_PER_TASK=1): no overlap
+    # calibration children run one shard per call (preinfer.shards_per_task=1): no overlap
     infer = mean((r["phases"]["compute"] - run["preinfer"] - b(r)["weights"] - 2 * b(r)["shard"]
                   - b(r)["inputs"]) / b(r)["work"] for r in pre)  # fmt: skip
     out.append(f"CPU_INFER: {infer:.2f} (now {CPU_INFER})")
@@ -455,7 +464,7 @@ def main(argv=None) -> dict | None:
         return {"rows": rows, "headline": _headline(rows)}
     names = list(CALIBRATION) if args.calibrate else args.configs
     if args.calibrate:  # one shard per worker call: compute and encode peaks apart (suggest)
-        os.environ["PREINFER_SHARDS_PER_TASK"] = "1"
+        CALIBRATE_OVERRIDES.append("preinfer.shards_per_task=1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
         for name in names:
@@ -465,11 +474,13 @@ def main(argv=None) -> dict | None:
     print(table(rows))
     import torch
 
-    from pipelines.preinfer import actor_env
+    from pipelines.cache_build import actor_env
+    from preinfer.config import load_config
 
+    env = actor_env(load_config(None)) or "glibc defaults"
     print(
         f"\n(peak RSS growth over the post-import baseline, CPU, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs; pre-inference children with {actor_env() or 'glibc defaults'})"
+        f"{os.cpu_count()} CPUs; pre-inference children with {env})"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -32,11 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipelines.cache_build import build_cache, refresh_cache  # noqa: E402
 from pipelines.init import run_init  # noqa: E402
-from pipelines.preinfer import build_cache, plan_caches, refresh_cache  # noqa: E402
 from pipelines.ray_env import ensure_ray  # noqa: E402
 from pipelines.tokenize import run_tokenize  # noqa: E402
 from preinfer.adapters import forward_blocks  # noqa: E402
+from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint  # noqa: E402
 from preinfer.config import load_config  # noqa: E402
 from preinfer.device import torch_dtype  # noqa: E402
@@ -85,7 +86,7 @@ def bare_forward(cfg, block: int, first: int = 0) -> float:
     return time.perf_counter() - t0
 
 
-PHASES = ("read_s", "compute_s", "write_s")  # pipelines.preinfer.PHASES
+PHASES = ("read_s", "compute_s", "write_s")  # pipelines.cache_build.PHASES
 
 
 def timed_build(cfg, block: int, fn=build_cache, phases: list | None = None) -> float:

@@ -104,7 +104,7 @@ def probe_main(spec: dict) -> dict:
 
     import torch
 
-    import pipelines.preinfer  # noqa: F401  (imports the trainer would pull in lazily)
+    import pipelines.cache_build  # noqa: F401  (imports the trainer would pull in lazily)
     import storage.reader  # noqa: F401
     from pipelines.train import visit_spec
     from preinfer.trainer import build_optimizer, train_step

@@ -31,10 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from preinfer.adapters import forward_blocks  # noqa: E402
-from preinfer.checkpoint import Checkpoint, init_checkpoint, trainable_parameters  # noqa: E402
+from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_init import init_checkpoint
 from preinfer.config import load_config  # noqa: E402
 from preinfer.device import resolve_device  # noqa: E402
 from preinfer.loss import blocks_loss, mode_loss  # noqa: E402
+from preinfer.partition import trainable_parameters
 from preinfer.trainer import (  # noqa: E402
     CacheBatches,
     build_optimizer,

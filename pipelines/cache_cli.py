@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from core.config import ConfigError
 from preinfer.config import Config
-from preinfer.confload import ConfigError
 
 FP_RE = re.compile(r"[0-9a-f]{8,64}")
 
@@ -39,7 +39,7 @@ def main(args, cfg: Config) -> int:
     if getattr(args, "fingerprint", None) is not None:
         check_fingerprint(args.fingerprint)
     if cmd in ("build", "refresh"):
-        from pipelines.preinfer import build_cache, refresh_cache
+        from pipelines.cache_build import build_cache, refresh_cache
 
         if cmd == "build":
             res = build_cache(cfg, args.block, args.round, verify=args.verify)

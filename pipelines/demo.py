@@ -9,7 +9,7 @@ from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.rotate import run_bcd
 from pipelines.tokenize import run_tokenize
-from preinfer.checkpoint import CheckpointExists
+from preinfer.checkpoint_format import CheckpointExists
 from preinfer.config import Config
 
 

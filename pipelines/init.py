@@ -3,9 +3,10 @@ blocks and write the per-block checkpoint."""
 
 from __future__ import annotations
 
-from preinfer.checkpoint import Checkpoint, init_checkpoint
+from core.config import ConfigError
+from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_init import init_checkpoint
 from preinfer.config import Config
-from preinfer.confload import ConfigError
 from storage.tokens import TokenStore
 
 

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.report_data import collect, read_metrics  # noqa: F401  (read_metrics: re-exported)
-from pipelines.report_plots import (  # noqa: F401  (FIGSIZE, DPI, ACTION_COLOURS: re-exported)
-    ACTION_COLOURS,
-    DPI,
-    FIGSIZE,
+from pipelines.report_data import collect
+from pipelines.report_plots import (
     plot_cache_timeline,
     plot_loss,
     plot_throughput,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from core.config import to_dict
 from preinfer.config import Config
-from preinfer.confload import to_dict
 from storage.atomic import human
 
 # ---- the markdown summary ----

@@ -13,15 +13,24 @@ number of optimizer steps as the BCD rotation); --mode bcd-recompute rotates wit
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.train import run_train
+from preinfer.cache_identity import Sources, plan_caches, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
-from preinfer.visit import last_visit_summary
+from preinfer.guards import check_disk_for_cache, warn_trainer_memory
+from preinfer.visit import VisitHooks, append_metrics, last_visit_summary
 from storage import fs
 from storage.atomic import dir_bytes, write_json
+from storage.layout import is_complete
+from storage.tokens import TokenStore
 
 
 def _state_path(cfg: Config) -> Path:
@@ -44,35 +53,42 @@ def save_state(cfg: Config, state: dict) -> None:
 def _event(cfg: Config, state: dict, **rec) -> None:
     rec = {"time": time.time(), **rec}
     state["events"].append(rec)
-    from preinfer.visit import append_metrics
-
     append_metrics(cfg, {"event": "cache", **rec})
 
 
-def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -> str:
-    """Make the boundary-`block` caches current: 'reused', 'repaired', 'refreshed' or 'built'."""
-    from pipelines.preinfer import build_cache, plan_caches, refresh_cache
-    from storage.cache import is_complete
-
+def ensure_cache(
+    cfg: Config, state: dict, block: int, round_: int, log=print, src: Sources | None = None
+) -> tuple[str, dict[str, str]]:
+    """Make the boundary-`block` caches current: ('reused' | 'repaired' | 'refreshed' | 'built',
+    their fingerprints by split). src: the checkpoint and token store as this step sees them."""
     t0 = time.perf_counter()
+    src = src or Sources.open(cfg)
     # a reused cache is re-checksummed (xxh3: cheap next to training on it): a shard damaged
     # on disk since it was written is rewritten here instead of failing the trainer
-    plans = plan_caches(cfg, block, round_, create=False, verify=True)
+    plans = plan_caches(cfg, block, round_, create=False, verify=True, src=src)
+    res: dict = {}
     if all(p.complete for p in plans):
         action, fps = "reused", {p.split: p.fingerprint for p in plans}
     elif any(is_complete(cfg.cache.root, p.fingerprint) for p in plans if not p.complete):
         log(f"  boundary {block}: cache shards failed their checksum; rewriting them")
-        res = build_cache(cfg, block, round_, verify=True, log=log)
+        res = build_cache(cfg, block, round_, verify=True, log=log, src=src)
         action, fps = "repaired", res["fingerprints"]
     else:
         prev_ok = block >= 2 and all(
             is_complete(cfg.cache.root, p.fingerprint)
-            for p in plan_caches(cfg, block - 1, round_, create=False)
+            for p in plan_caches(cfg, block - 1, round_, create=False, src=src)
         )
-        res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log)
+        res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log, src=src)
         action, fps = res["action"], res["fingerprints"]
     state["caches_in_use"] = sorted(set(fps.values()))
     sizes = {s: dir_bytes(fs.path(cfg.cache.root) / fp) for s, fp in fps.items()}
+    seconds = time.perf_counter() - t0
+    timing = {}
+    if res.get("executor"):
+        # the fixed part: everything but computing shards (plan, start-up, finalize)
+        fixed = seconds - (res["seconds"] - res["startup_s"])
+        timing = {k: res[k] for k in ("executor", "startup_s", "finalize_s", "rows", "shards")}
+        timing["fixed_s"] = fixed
     _event(
         cfg,
         state,
@@ -81,9 +97,10 @@ def ensure_cache(cfg: Config, state: dict, block: int, round_: int, log=print) -
         round=round_,
         fingerprints=fps,
         bytes=sizes,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
+        **timing,
     )
-    return action
+    return action, fps
 
 
 def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> None:
@@ -98,9 +115,17 @@ def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> No
                 log(f"  dropped cache {fp[:12]} (no longer needed; cache.keep=false)")
 
 
-def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
-    from pipelines.train import run_train
-
+def run_bcd(
+    cfg: Config,
+    *,
+    mode: str | None = None,
+    log=print,
+    hooks: VisitHooks | None = None,
+    on_visit: Callable[[int, int, dict], None] | None = None,
+) -> dict:
+    """The rotation (or --mode full). hooks: every visit's extension points (in-process visits);
+    on_visit(round, block, summary): after each visit is recorded (a benchmark's whole-val
+    evaluation, say; its time is the caller's to count)."""
     mode = mode or cfg.train.mode
     state = load_state(cfg)
     if state.get("mode", mode) != mode:
@@ -113,17 +138,18 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     M = ckpt.num_blocks
-    from preinfer.guards import check_disk_for_cache, warn_trainer_memory
-
     check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
     try:
         warn_trainer_memory(cfg, mode=mode, log=log)
     except Exception as e:  # an estimate must never stop a run
         log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
+    budget = store_budget(cfg, TokenStore(cfg.data.out_dir))
     if mode == "full":
         plan = [(0, 0)]
+        log(f"  full: {budget.steps * cfg.train.rounds * M} steps over all train rows")
     else:
         plan = [(r, k) for r in range(cfg.train.rounds) for k in range(M)]
+        log(f"  each visit: {budget.why} ({budget.passes:.2f} passes)")
     results = []
     for r, k in plan:
         key = f"r{r}-b{k}"
@@ -138,24 +164,30 @@ def run_bcd(cfg: Config, *, mode: str | None = None, log=print) -> dict:
             save_state(cfg, state)
             results.append(state["visits"][key])
             continue
-        action = "tokens"
+        action, fps = "tokens", None
         if mode == "bcd" and k > 0:
-            action = ensure_cache(cfg, state, k, r, log=log)
+            action, fps = ensure_cache(cfg, state, k, r, log=log)
             drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
             save_state(cfg, state)
         state["pending"] = {"key": key, "start_hash": ckpt_hash(cfg), "cache": action}
         save_state(cfg, state)
         if mode == "full":
-            steps = cfg.train.max_steps * cfg.train.rounds * M
-            cfg_full = _with_steps(cfg, steps)
-            summary = run_train(cfg_full, 0, r, mode="full", log=log, memory_check=False)
+            # as many optimizer steps as the whole rotation, over every train row
+            cfg_full = _with_steps(cfg, budget.steps * cfg.train.rounds * M)
+            summary = run_train(
+                cfg_full, 0, r, mode="full", log=log, memory_check=False, hooks=hooks
+            )
         else:
-            summary = run_train(cfg, k, r, mode=mode, log=log, memory_check=False)
+            summary = run_train(
+                cfg, k, r, mode=mode, log=log, memory_check=False, caches=fps, hooks=hooks
+            )
         summary = {**summary, "cache": action}
         state["visits"][key] = summary
         state["pending"] = None
         save_state(cfg, state)
         results.append(summary)
+        if on_visit is not None:
+            on_visit(r, k, summary)
         log(
             f"  round {r} block {k} [{mode}, input: {action}]: {summary.get('steps')} steps, "
             f"train loss {summary.get('loss', float('nan')):.3f}, "
@@ -173,14 +205,11 @@ def ckpt_hash(cfg: Config) -> str:
 
 
 def _with_steps(cfg: Config, steps: int) -> Config:
-    import copy
-
     c = copy.deepcopy(cfg)
     c.train.max_steps = steps
+    c.train.epochs = None
     return c
 
 
 def _ppl(loss) -> float:
-    import math
-
     return math.exp(min(loss, 50.0)) if isinstance(loss, int | float) else float("nan")

@@ -12,8 +12,8 @@ import time
 import tokenizers
 from tqdm import tqdm
 
+from core.fingerprint import chain, file_hash
 from preinfer.config import Config
-from preinfer.fingerprint import chain, file_hash
 from preinfer.tokenization import (
     CorpusError,
     eos_id,

@@ -1,29 +1,35 @@
 """Stage `preinfer train --block K`: one block visit, on Ray Train workers or in this process.
 
-train.workers >= 1: a Ray Train `TorchTrainer` with that many workers (DDP over gloo on CPU,
-NCCL on GPU); every rank reads its own part of each global batch and the ranks average
-gradients, so every rank takes the same steps. train.workers = 0: the same loop, no Ray.
+train.workers >= 2 (or 1 in a Ray cluster job): a Ray Train `TorchTrainer` with that many
+workers (DDP over gloo on CPU, NCCL on GPU); every rank reads its own part of each global batch
+and the ranks average gradients, so every rank takes the same steps. train.workers = 0, or 1
+on this machine: the same loop in this process, without Ray Train's start-up.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 
+from core.config import ConfigError
+from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
-from preinfer.confload import ConfigError
 from preinfer.device import resolve_device
-from preinfer.visit import Visit, VisitSpec, last_visit_summary
+from preinfer.visit import Visit, VisitHooks, VisitSpec, last_visit_summary
 from storage.tokens import TokenStore
 
 
-def visit_spec(cfg: Config, block: int, round_: int, mode: str) -> VisitSpec:
-    """The visit with, for bcd K > 0, the fingerprints of the caches it must read."""
+def visit_spec(
+    cfg: Config, block: int, round_: int, mode: str, caches: dict[str, str] | None = None
+) -> VisitSpec:
+    """The visit with, for bcd K > 0, the fingerprints of the caches it must read (`caches`:
+    as the rotation just made them current; else planned here)."""
     spec = VisitSpec(block=block, round=round_, mode=mode)
-    if mode == "bcd" and block > 0:
-        from pipelines.preinfer import plan_caches
-
+    if mode == "bcd" and block > 0 and caches is not None:
+        spec.cache_train, spec.cache_val = caches["train"], caches["val"]
+    elif mode == "bcd" and block > 0:
         plans = {p.split: p for p in plan_caches(cfg, block, round_, create=False)}
         missing = [p for p in plans.values() if not p.complete]
         if missing:
@@ -36,6 +42,14 @@ def visit_spec(cfg: Config, block: int, round_: int, mode: str) -> VisitSpec:
     return spec
 
 
+def cpus_per_worker(cfg: Config) -> float:
+    """CPUs a Ray Train worker asks for and runs torch threads on: train.cpus_per_worker, or
+    this node's CPUs shared evenly over the workers."""
+    if cfg.train.cpus_per_worker is not None:
+        return cfg.train.cpus_per_worker
+    return max(1, (os.cpu_count() or 1) // max(1, cfg.train.workers))
+
+
 def _worker_loop(config: dict) -> None:
     """Ray Train per-worker entry: rebuild from plain data, run the visit, report the summary."""
     import ray.train
@@ -44,6 +58,10 @@ def _worker_loop(config: dict) -> None:
     spec = VisitSpec(**config["spec"])
     ctx = ray.train.get_context()
     device = resolve_device(cfg.run.device)
+    if device.type == "cpu":  # Ray gives a CPU worker one OMP thread; use the share it holds
+        import torch
+
+        torch.set_num_threads(max(1, int(config["threads"])))
     if device.type == "cuda":
         import torch
 
@@ -61,9 +79,13 @@ def run_train(
     mode: str | None = None,
     log=print,
     memory_check: bool = True,
+    caches: dict[str, str] | None = None,
+    hooks: VisitHooks | None = None,
 ) -> dict:
     """Train one block visit (`preinfer train --block K`). memory_check: warn first when the
-    planner's trainer-peak estimate exceeds the device (bcd checks once for the rotation)."""
+    planner's trainer-peak estimate exceeds the device (bcd checks once for the rotation);
+    caches: the boundary caches' fingerprints by split, when the caller has planned them;
+    hooks: a visit's extension points (in this process only: not sent to Ray Train workers)."""
     mode = mode or cfg.train.mode
     if cfg.model.arch == "bert":
         raise ConfigError(
@@ -77,7 +99,7 @@ def run_train(
             f"--block {block} is out of range: the checkpoint has blocks 0..{ckpt.num_blocks - 1}"
         )
     TokenStore(cfg.data.out_dir)
-    spec = visit_spec(cfg, block, round_, mode)
+    spec = visit_spec(cfg, block, round_, mode, caches)
     if memory_check:
         from preinfer.guards import warn_trainer_memory
 
@@ -86,8 +108,13 @@ def run_train(
         except Exception as e:  # an estimate must never stop a run
             log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
     workers = cfg.train.workers
-    if workers == 0:
-        return Visit(cfg, spec, device=resolve_device(cfg.run.device)).run(log=log)
+    if workers == 0 or (workers == 1 and not os.environ.get("RAY_ADDRESS")):
+        # one worker on this machine: the same loop in this process, no Ray Train start-up
+        return Visit(cfg, spec, device=resolve_device(cfg.run.device), hooks=hooks).run(log=log)
+    if hooks is not None:
+        raise ConfigError(
+            "visit hooks run in this process only; train with train.workers=0 or 1 to use them"
+        )
 
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -98,12 +125,16 @@ def run_train(
     use_gpu = cfg.run.device != "cpu" and gpus_available()
     trainer = TorchTrainer(
         _worker_loop,
-        train_loop_config={"cfg": cfg.to_dict(), "spec": asdict(spec)},
+        train_loop_config={
+            "cfg": cfg.to_dict(),
+            "spec": asdict(spec),
+            "threads": cpus_per_worker(cfg),
+        },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=workers,
             use_gpu=use_gpu,
-            resources_per_worker=None if use_gpu else {"CPU": 1},
+            resources_per_worker=None if use_gpu else {"CPU": cpus_per_worker(cfg)},
         ),
         run_config=ray.train.RunConfig(
             name=f"r{round_}-b{block}-{mode}",

@@ -35,6 +35,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
+from core.config import from_dict
+from core.fingerprint import chain, tensors_hash
 from preinfer.adapters import Adapter, get_adapter
 from preinfer.checkpoint_format import (
     _PLAIN_BLOCK_FILE,
@@ -42,7 +44,6 @@ from preinfer.checkpoint_format import (
     FORMAT_VERSION,
     INDEX,
     CheckpointError,
-    CheckpointExists,  # noqa: F401  (re-exported: pipelines catch it)
     _block_file_name,
     _cpu_state,
     _spec,
@@ -50,17 +51,10 @@ from preinfer.checkpoint_format import (
     _write_block_file,
     _write_json_atomic,
 )
-from preinfer.checkpoint_init import init_checkpoint  # noqa: F401  (re-exported)
-from preinfer.confload import from_dict
-from preinfer.fingerprint import chain, tensors_hash
 from preinfer.modeling import ModelConfig, build_model, materialise
-from preinfer.partition import (  # noqa: F401  (trainable_*: re-exported, used by the trainer)
+from preinfer.partition import (
     Partition,
     block_tensor_names,
-    freeze_except,
-    partition_model,
-    trainable_named_parameters,
-    trainable_parameters,
 )
 from storage import fs
 

@@ -21,9 +21,9 @@ from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 from torch import nn
 
+from core.config import to_dict
+from core.fingerprint import hash_obj, tensors_hash
 from preinfer.adapters import Adapter
-from preinfer.confload import to_dict
-from preinfer.fingerprint import hash_obj, tensors_hash
 from preinfer.modeling import ModelConfig
 from preinfer.partition import Partition
 from storage import fs

@@ -15,15 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from preinfer.confload import ConfigError, apply_override, from_dict, load_yaml, to_dict
+from core.config import ConfigError, apply_override, from_dict, load_yaml, to_dict
+from preinfer.cache_identity import PreinferConfig
 from preinfer.modeling import ModelConfig
 from preinfer.partition import PartitionConfig
-from preinfer.prefix import PreinferConfig
 from preinfer.tokenization import DataConfig
 from preinfer.trainer import TrainConfig
 from storage.config import CacheConfig, StorageConfig
-
-__all__ = ["Config", "ConfigError", "RunConfig", "load_config"]
 
 
 @dataclass(kw_only=True)

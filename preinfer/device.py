@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from preinfer.confload import ConfigError
+from core.config import ConfigError
 
 # the dtype a stored cache dtype was computed in before compute_dtype existed (the fingerprint's
 # reference: a cache computed this way keeps its fingerprint; any other compute dtype enters it)

@@ -9,8 +9,6 @@ import torch
 
 from preinfer.loss import lm_loss
 
-__all__ = ["evaluate_tokens", "lm_loss", "split_sample"]
-
 
 def split_sample(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, S+1) int32 token rows -> inputs (n, S) long and labels (n, S) long."""

@@ -16,7 +16,8 @@ import math
 import statistics
 from pathlib import Path
 
-from storage.cache import CacheError
+from preinfer.cache_identity import visit_budget
+from storage.layout import CacheError
 
 
 class DiskSpaceError(CacheError):
@@ -51,11 +52,12 @@ def measured_ratio(cfg) -> tuple[float, str] | None:
 def cache_bytes(cfg, *, hidden: int, seq: int, n_train: int, n_val: int) -> dict:
     """Estimated bytes of one boundary's caches (train sample + val): the upper bound and the
     expected size (values / measured codec ratio), per split and in total."""
-    from storage.cache import estimate_cache_bytes
-    from storage.codecs import stored_dtype
+    from storage.layout import estimate_cache_bytes
+    from storage.values import stored_dtype
 
     ratio = measured_ratio(cfg)
-    n = {"train": max(1, round(n_train * cfg.preinfer.sample_fraction)), "val": n_val}
+    budget = visit_budget(cfg, n_train, n_val)
+    n = {"train": budget.rows, "val": budget.val_rows}
     out = {"samples": sum(n.values()), "n": n, "upper_bound": 0, "expected": 0,
            "ratio": ratio and ratio[0], "ratio_source": ratio and ratio[1]}  # fmt: skip
     for split, k in n.items():
@@ -69,7 +71,8 @@ def cache_bytes(cfg, *, hidden: int, seq: int, n_train: int, n_val: int) -> dict
 
 def _dims(cfg) -> tuple[int, int, int, int, int] | None:
     """(hidden, seq, n_train, n_val, M) from the checkpoint and token store; None if absent."""
-    from preinfer.checkpoint import Checkpoint, CheckpointError
+    from preinfer.checkpoint import Checkpoint
+    from preinfer.checkpoint_format import CheckpointError
     from storage.tokens import TokenStore
 
     if not TokenStore.exists(cfg.data.out_dir):
@@ -96,7 +99,7 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
     caches already on disk are not credited. Returns the figures, or None when there is nothing
     to check (no token store yet: the stage itself reports that)."""
     from storage.atomic import human
-    from storage.cache import free_disk_bytes
+    from storage.layout import free_disk_bytes
 
     dims = _dims(cfg)
     if dims is None:
@@ -109,7 +112,7 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
         count = M - 1 if cfg.cache.keep else min(2, M - 1)
         need, what = count * per["expected"], f"the bcd rotation ({count} boundaries at once)"
     elif plans is not None:  # what is still to write: committed shards (done markers) count
-        from storage.cache import rows_per_shard
+        from storage.layout import rows_per_shard
 
         rps = rows_per_shard(seq, hidden, cfg.cache.dtype, cfg.cache.shard_mb)
         need = 0
@@ -131,7 +134,7 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
         raise DiskSpaceError(
             f"{what} needs about {human(need)} ({per['samples']} samples x S={seq} x H={hidden} "
             f"{cfg.cache.dtype}, {basis}) but only {human(free)} is free at {cfg.cache.root}; free "
-            "disk, point cache.root at a larger disk, lower preinfer.sample_fraction, or store "
+            "disk, point cache.root at a larger disk, lower preinfer.sample_fraction or raise train.epochs, or store "
             "cache.dtype=int8 / fp8_e4m3 (see `preinfer plan`)"
         )
     return out
@@ -150,7 +153,8 @@ def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = Non
     Returns that worst estimate (preinfer.memory.trainer_memory's dict + device_bytes)."""
     import warnings
 
-    from preinfer.checkpoint import Checkpoint, CheckpointError
+    from preinfer.checkpoint import Checkpoint
+    from preinfer.checkpoint_format import CheckpointError
     from preinfer.device import resolve_device
     from preinfer.memory import GiB, model_shape, setup_for, trainer_memory
     from preinfer.partition import partition_layers

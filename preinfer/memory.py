@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from preinfer.cache_identity import visit_budget
+
 GiB, MiB = 2**30, 2**20
 
 
@@ -365,7 +367,7 @@ def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool
     """Peak bytes of one pre-inference worker producing boundary `block` (build: prefix blocks
     0..K-1 from tokens; refresh: block K-1 alone from the boundary K-1 cache).
 
-    A worker call pipelines its shards (pipelines/preinfer.py): while shard j computes, shard
+    A worker call pipelines its shards (pipelines/cache_build.py): while shard j computes, shard
     j+1's input is read and shard j-1 is encoded and written (p.pipelined); else one at a time."""
     cpu = p.target == "cpu"
     blocks = [block - 1] if refresh else list(range(block))
@@ -467,11 +469,11 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
     """The per-card Setup of a config: batch split over `cards` data-parallel replicas, precision
     from run.precision (auto: amp-bf16 on GPU, fp32 on CPU), cache reader/worker buffers from
     cache.shard_mb (N unknown: assume at least one full shard). pipelined: pre-inference calls
-    get several shards each (pipelines.preinfer.shards_per_task > 1; True, the larger estimate,
+    get several shards each (pipelines.cache_build.shards_per_task > 1; True, the larger estimate,
     when the shard count is not known)."""
-    from storage.cache import rows_per_shard
-    from storage.codecs import stored_dtype
-    from storage.reader import buffer_rows
+    from storage.dataset import buffer_rows
+    from storage.layout import rows_per_shard
+    from storage.values import stored_dtype
 
     S = seq or cfg.data.seq_len
     B = batch or cfg.train.batch_size
@@ -480,7 +482,7 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
         rp = cfg.run.precision
         precision = "fp32" if rp == "fp32" or (target == "cpu" and rp == "auto") else "amp-bf16"
     rps = rows_per_shard(S, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
-    n_tr = None if n_train is None else max(1, round(n_train * cfg.preinfer.sample_fraction))
+    n_tr = None if n_train is None else visit_budget(cfg, n_train, n_val or 0).rows
     tr_rows = rps if n_tr is None else min(rps, n_tr)
     # the trainer's shuffle buffer, as the reader sizes it (N unknown: the full budget)
     buf_rows = buffer_rows(

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from preinfer.confload import ConfigError
+from core.config import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from preinfer.confload import ConfigError
+from core.config import ConfigError
 
 
 @dataclass(kw_only=True)

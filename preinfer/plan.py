@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from preinfer.cache_identity import visit_budget
 from preinfer.memory import (
     CARDS,
     OPT_STATE,
@@ -81,7 +82,7 @@ def add_plan_arguments(parser) -> None:
     import dataclasses
     import typing
 
-    from preinfer.confload import field_docs
+    from core.config import field_docs
 
     docs, hints = field_docs(PlanOptions), typing.get_type_hints(PlanOptions)
     for f in dataclasses.fields(PlanOptions):
@@ -98,7 +99,7 @@ def add_plan_arguments(parser) -> None:
 def _card(name: str, mem=None, peak=None, price=None, precision="fp32"):
     """(memory bytes, {"train", "infer"}: peak FLOP/s or None, price or None) of a card name
     with overrides; training runs at the planned precision, pre-inference in bf16."""
-    from preinfer.confload import ConfigError
+    from core.config import ConfigError
 
     if name == "cpu":
         import psutil
@@ -146,7 +147,7 @@ def _n_samples(cfg, o: PlanOptions, seq: int) -> tuple[int | None, int | None, s
 
 def build_plan(cfg, o: PlanOptions) -> dict:
     """The whole plan as plain data (what --json prints)."""
-    from preinfer.confload import ConfigError
+    from core.config import ConfigError
     from preinfer.partition import partition_layers
 
     if o.cards < 1 or o.mfu <= 0 or (o.precision and o.precision not in PRECISIONS):
@@ -185,13 +186,13 @@ def build_plan(cfg, o: PlanOptions) -> dict:
         "samples": {"train": n_tr, "val": n_val, "source": n_src},
     }  # fmt: skip
     plan["cache"] = _cache(cfg, o, sh, S, M, n_tr, n_val)
-    plan["cost"] = _cost(cfg, o, sh, part, p, plan, peak, price, n_tr)
+    plan["cost"] = _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val)
     return plan
 
 
 def _cache(cfg, o, sh, S, M, n_tr, n_val) -> dict:
     from preinfer.guards import cache_bytes
-    from storage.cache import free_disk_bytes
+    from storage.layout import free_disk_bytes
 
     free = o.free_disk * GiB if o.free_disk is not None else free_disk_bytes(cfg.cache.root)
     if n_tr is None:
@@ -203,7 +204,7 @@ def _cache(cfg, o, sh, S, M, n_tr, n_val) -> dict:
             "free": free, "fits": alive * per["expected"] <= free}  # fmt: skip
 
 
-def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr) -> dict:
+def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
     """steps x time per step x cards x price, full vs BCD, same card; optionally full on another."""
     M, tok = part.num_blocks, p.batch * o.cards * p.seq  # tokens per global step
     fl = Flops(sh=sh, part=part, seq=p.seq)
@@ -227,12 +228,14 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr) -> dict:
            "full": full_on(plan["setup"]["card_bytes"], peak, price)}  # fmt: skip
     times = [step_time(f"bcd {k}", fl.bcd(k), o.cards, peak["train"]) for k in range(M)]
     pre = None
-    cached = round(n_tr * cfg.preinfer.sample_fraction) if n_tr else None
+    budget = visit_budget(cfg, n_tr, n_val or 0) if n_tr else None
+    cached = budget.rows if budget else None
     if cached and peak["infer"] and M > 1:  # per round: each boundary refreshed once, in bf16
         pre = sum(fl.preinfer(k) for k in range(1, M)) * cached * p.seq
         pre /= o.cards * peak["infer"] * o.mfu
     read = steps / M / cfg.train.rounds * p.batch * o.cards  # samples one block visit reads
-    out["cache_use"] = {"cached_per_boundary": cached, "read_per_visit": round(read)}
+    out["cache_use"] = {"cached_per_boundary": cached, "read_per_visit": round(read),
+                        "why": budget.why if budget else None}  # fmt: skip
     for name, bf in (("bcd_average", o.bf_average), ("bcd_worst", o.bf_worst)):
         if any(t is None for t, _ in times):
             out[name] = {"multiplier": bf, "hours": None, "cost": None}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preinfer.confload import ConfigError
+from core.config import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from preinfer.confload import ConfigError
+from core.config import ConfigError
 from preinfer.device import autocast
 from preinfer.evaluation import split_sample
 
@@ -40,7 +40,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Cosine schedule floor as a fraction of the peak lr."""
     max_steps: int = 100
-    """Steps per block visit (bcd) or in total (full)."""
+    """Steps per block visit (bcd) or in total (full): the cap of the visit's budget."""
+    epochs: float | None = 1.0
+    """Passes over a visit's rows; rows = min(train x sample_fraction, max_steps x batch / epochs), and only those are cached. null = cache every sampled row, train max_steps."""
     batch_size: int = 16
     """Global batch size in sequences (split evenly over workers)."""
     grad_clip: float = 1.0
@@ -54,7 +56,9 @@ class TrainConfig:
     min_delta: float = 0.0
     """Smallest val-loss decrease that counts as improvement."""
     workers: int = 1
-    """Ray Train workers (DDP, gloo on CPU / NCCL on GPU); 0 = train in this process without Ray."""
+    """Ray Train workers (DDP, gloo on CPU / NCCL on GPU); 0, or 1 outside a Ray cluster job = train in this process."""
+    cpus_per_worker: int | None = None
+    """CPUs (and torch threads) per Ray Train CPU worker; null = this node's CPUs / workers."""
     checkpoint_every: int = 50
     """Save a resumable mid-block state every this many steps (0 = off)."""
     seed: int = 0
@@ -78,6 +82,12 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ConfigError(
+                f"train.epochs must be > 0 passes over the visit's rows, or null, got {self.epochs}"
+            )
+        if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
+            raise ConfigError(f"train.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if self.loss_chunk < 0:
@@ -181,7 +191,7 @@ class CacheBatches:
         self.steps_per_epoch = n // batch_size
 
     def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from storage.reader import CacheDataset
+        from storage.dataset import CacheDataset
 
         ds = CacheDataset(
             self.cache,

@@ -10,18 +10,23 @@ Library code: no Ray. `pipelines/train.py` runs it on Ray Train workers (rank, w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from preinfer.checkpoint import Checkpoint, trainable_parameters
+from core import faults
+from preinfer.cache_identity import row_order, sample_indices, store_budget
+from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast
 from preinfer.loss import mode_loss
+from preinfer.partition import trainable_parameters
 from preinfer.trainer import (
     CacheBatches,
     TokenBatches,
@@ -90,23 +95,32 @@ def _load_state(path: Path, start_hash: str) -> dict | None:
     return state
 
 
-KILL_ENV = "PREINFER_TEST_KILL_AT"  # test-only: "round:block:step" at which the process dies
+@dataclass
+class VisitHooks:
+    """Explicit extension points of a visit (benchmarks and studies use these, never patches).
 
+    on_eval(visit, step, val_loss, seconds): after every evaluation (seconds: its duration).
+    batches(visit, default): the training batch source; gets the default (CacheBatches or
+    TokenBatches) and returns what to train on (anything with .epoch(e) and .steps_per_epoch).
+    """
 
-def _kill_step(block: int, round_: int) -> int:
-    spec = os.environ.get(KILL_ENV, "")
-    if spec:
-        r, b, step = (int(v) for v in spec.split(":"))
-        if (r, b) == (round_, block):
-            return step
-    return -1
+    on_eval: Callable[[Visit, int, float, float], None] | None = None
+    batches: Callable[[Visit, object], object] | None = None
 
 
 class Visit:
     def __init__(
-        self, cfg: Config, spec: VisitSpec, *, device: torch.device, rank: int = 0, world: int = 1
+        self,
+        cfg: Config,
+        spec: VisitSpec,
+        *,
+        device: torch.device,
+        rank: int = 0,
+        world: int = 1,
+        hooks: VisitHooks | None = None,
     ):
         self.cfg, self.spec, self.device, self.rank, self.world = cfg, spec, device, rank, world
+        self.hooks = hooks or VisitHooks()
         # memory of this visit = peak over what the process held before loading anything
         reset_peak_memory(device)
         self.mem_base = current_memory_mb(device)
@@ -134,6 +148,12 @@ class Visit:
         for p in self.params:
             p.requires_grad_(True)
         self.model.train(cfg.model.dropout > 0)
+        self.store = TokenStore(cfg.data.out_dir)
+        # bcd modes: the round's rows and the visit's steps (cache_identity.visit_budget); full:
+        # every train row, max_steps (the rotation sets it to the whole rotation's steps)
+        self.budget = store_budget(cfg, self.store)
+        steps = cfg.train.max_steps if spec.mode == "full" else self.budget.steps
+        self.tc = dataclasses.replace(cfg.train, max_steps=steps)  # the schedule spans the visit
         self._data()
 
     # x: (B, S) ids or (B, S, H) hidden entering block K; labels (B, S)  ->  mean loss
@@ -163,8 +183,20 @@ class Visit:
                 self.train_cache, buffer_mb=cfg.train.shuffle_buffer_mb, **kw
             )
         else:
-            self.store = TokenStore(cfg.data.out_dir)
-            self.batches = TokenBatches(self.store, "train", **kw)
+            rows = None  # full: every train row
+            if spec.mode != "full":  # the rows a cache of this round holds, in its row order
+                rows = sample_indices(cfg, self.budget, "train", spec.round)
+                rows = rows[row_order(cfg, "train", spec.round, len(rows))]
+            self.batches = TokenBatches(self.store, "train", indices=rows, **kw)
+        if self.hooks.batches is not None:
+            self.batches = self.hooks.batches(self, self.batches)
+
+    def _evaluate(self, step: int) -> float:
+        t0 = time.perf_counter()
+        val = self.evaluate()
+        if self.hooks.on_eval is not None:
+            self.hooks.on_eval(self, step, val, time.perf_counter() - t0)
+        return val
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -205,7 +237,7 @@ class Visit:
         return t.item() / self.world
 
     def run(self, log=print) -> dict:
-        cfg, tc, spec = self.cfg, self.cfg.train, self.spec
+        cfg, tc, spec = self.cfg, self.tc, self.spec
         start_hash = self.ckpt.prefix_hash(self.M)
         spath = state_path(cfg, spec)
         opt = build_optimizer(self.params, tc)
@@ -219,7 +251,7 @@ class Visit:
             step, best, bad = state["step"], state["best"], state["bad"]
             if self.rank == 0:
                 log(f"  resumed {spec.mode} block {self.K} round {spec.round} at step {step}")
-        kill_at = _kill_step(self.K, spec.round)
+        kill_at = faults.kill_step(spec.round, self.K)
         data = endless(self.batches, step)
         t0, tokens, stopped = time.perf_counter(), 0, "max_steps"
         loss = float("nan")
@@ -255,7 +287,7 @@ class Visit:
             }
             evaluate = (tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps
             if evaluate:
-                val = self.evaluate()
+                val = self._evaluate(step)
                 rec["val_loss"] = val
                 if val < best - tc.min_delta:
                     best, bad = val, 0
@@ -280,7 +312,7 @@ class Visit:
                     },
                 )
         if val is None:
-            val = self.evaluate()
+            val = self._evaluate(step)
         elapsed = time.perf_counter() - t0
         summary = {
             "event": "visit",

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from preinfer.fingerprint import CACHE_FORMAT_VERSION
+from core.fingerprint import CACHE_FORMAT_VERSION
 from storage import atomic, codecs, fs
 from storage.atomic import checksum_entry, checksum_file, dir_bytes, entry_matches, human
 from storage.config import CacheConfig
@@ -49,20 +49,30 @@ from storage.layout import (
     CacheCorrupt,
     CacheError,
     CacheIncomplete,
-    FingerprintMismatch,
     check_marker,
     estimate_cache_bytes,
     free_disk_bytes,
-    is_complete,
     read_json,
     rows_per_shard,
 )
-
-__all__ = [
-    "BUILD", "DONE", "HIDDEN", "MANIFEST", "SAMPLES", "SCALE", "CacheCorrupt", "CacheError",
-    "CacheIncomplete", "CacheWriter", "FingerprintMismatch", "build_manifest", "check_marker",
-    "estimate_cache_bytes", "free_disk_bytes", "is_complete", "read_json", "rows_per_shard",
-]  # fmt: skip
+from storage.samples import read_samples, samples_arrays, samples_table
+from storage.shard_codec import encode_shard_parts, shard_key
+from storage.stats import (
+    combine_stats,
+    count_nonfinite,
+    sampling_record,
+    shard_stats,
+    shard_stats_sampled,
+)
+from storage.values import (
+    LOGICAL_TORCH,
+    CodecError,
+    _as_float_tensor,
+    decode,
+    encode,
+    is_lossy,
+    stored_dtype,
+)
 
 FSYNC_MARKERS = False  # see the module docstring
 # ------------------------------------------------------------------------------ the writer
@@ -107,8 +117,8 @@ class CacheWriter:
         except (TypeError, ValueError) as e:
             raise CacheError(f"cache meta must be JSON-serializable: {e}") from None
         try:
-            sid, ids, labels = codecs.samples_arrays(samples, seq_len)
-        except codecs.CodecError as e:
+            sid, ids, labels = samples_arrays(samples, seq_len)
+        except CodecError as e:
             raise CacheError(str(e)) from None
         n, dtype = len(sid), cache_cfg.dtype
         rows = min(n, rows_per_shard(seq_len, hidden_size, dtype, cache_cfg.shard_mb))
@@ -121,7 +131,7 @@ class CacheWriter:
             "rows_per_shard": rows,
             "num_shards": -(-n // rows),
             "dtype": dtype,
-            "stored_dtype": codecs.stored_dtype(dtype).name,
+            "stored_dtype": stored_dtype(dtype).name,
             "codec": cache_cfg.codec,
             "shuffle": cache_cfg.shuffle,
             "level": cache_cfg.level,
@@ -131,12 +141,12 @@ class CacheWriter:
                 HIDDEN: codecs.array_json(
                     (n, seq_len, hidden_size),
                     rows,
-                    codecs.stored_dtype(dtype),
+                    stored_dtype(dtype),
                     cache_cfg,
                     {"preinfer": header},
                 )
             }
-            if codecs.is_lossy(dtype):
+            if is_lossy(dtype):
                 jsons[SCALE] = codecs.array_json(
                     (n, seq_len),
                     rows,
@@ -144,7 +154,7 @@ class CacheWriter:
                     cache_cfg,
                     {"preinfer": {"scale_of": HIDDEN}},
                 )
-        except codecs.CodecError as e:
+        except CodecError as e:
             raise CacheError(str(e)) from None
         fs.check(root, "cache root")
         cache_dir = fs.path(root) / fingerprint
@@ -176,8 +186,8 @@ class CacheWriter:
         sp = cache_dir / SAMPLES
         if sp.exists():
             try:
-                old = codecs.samples_arrays(pq.read_table(fs.parquet_source(sp)), seq_len)
-            except (OSError, pa.ArrowException, codecs.CodecError) as e:
+                old = samples_arrays(pq.read_table(fs.parquet_source(sp)), seq_len)
+            except (OSError, pa.ArrowException, CodecError) as e:
                 raise CacheCorrupt(f"{sp} is unreadable ({e}); delete it and rerun") from None
             if not all(np.array_equal(a, b) for a, b in zip(old, (sid, ids, labels), strict=True)):
                 raise CacheError(
@@ -187,7 +197,7 @@ class CacheWriter:
                 )
         else:
             buf = pa.BufferOutputStream()
-            pq.write_table(codecs.samples_table(sid, ids, labels), buf, row_group_size=rows)
+            pq.write_table(samples_table(sid, ids, labels), buf, row_group_size=rows)
             atomic.write_bytes(sp, buf.getvalue().to_pybytes())
         if not (cache_dir / BUILD).exists():
             atomic.write_json(cache_dir / BUILD, {"header": header, "meta": meta_blob})
@@ -217,7 +227,7 @@ class CacheWriter:
     def read_input_ids(self, start: int, stop: int) -> np.ndarray:
         """input_ids [stop-start, S] int32 of rows [start, stop) from samples.parquet."""
         src = pq.ParquetFile(fs.parquet_source(self.dir / SAMPLES))
-        return codecs.read_samples(src, start, stop, "input_ids")
+        return read_samples(src, start, stop, "input_ids")
 
     # ----------------------------------------------------------------------- shards
 
@@ -268,17 +278,15 @@ class CacheWriter:
             )
         dtype = h["dtype"]
         try:
-            given = codecs._as_float_tensor(hidden)
-            stored, scale = codecs.encode(given, dtype, check_finite=False)
-        except codecs.CodecError as e:
+            given = _as_float_tensor(hidden)
+            stored, scale = encode(given, dtype, check_finite=False)
+        except CodecError as e:
             raise CacheError(f"shard {i} (rows {start}..{stop}): {e}") from None
         parts = {
-            f"{HIDDEN}/{codecs.shard_key(i, 3)}": codecs.encode_shard_parts(
-                self._json[HIDDEN], i, start, stored
-            )
+            f"{HIDDEN}/{shard_key(i, 3)}": encode_shard_parts(self._json[HIDDEN], i, start, stored)
         }
         if scale is not None:
-            parts[f"{SCALE}/{codecs.shard_key(i, 2)}"] = codecs.encode_shard_parts(
+            parts[f"{SCALE}/{shard_key(i, 2)}"] = encode_shard_parts(
                 self._json[SCALE], i, start, scale
             )
         manifest = self.dir / MANIFEST
@@ -329,13 +337,13 @@ class CacheWriter:
     def _stats(self, i, start, stop, given, stored, scale) -> dict:
         """The shard's value stats; CacheError if a value is NaN/inf (or overflowed)."""
         dtype = self.header["dtype"]
-        exact = not codecs.is_lossy(dtype) and given.dtype == codecs.LOGICAL_TORCH[dtype]
+        exact = not is_lossy(dtype) and given.dtype == LOGICAL_TORCH[dtype]
         try:  # the NaN/inf check over every value, and the shard's stats
             if exact:  # stored == given bit for bit: exact absmax, sums of a row sample
-                return codecs.shard_stats_sampled(given)
-            return codecs.shard_stats(codecs.decode(stored, scale, dtype), given)  # all values
-        except codecs.CodecError:
-            bad = codecs.count_nonfinite(given)
+                return shard_stats_sampled(given)
+            return shard_stats(decode(stored, scale, dtype), given)  # all values
+        except CodecError:
+            bad = count_nonfinite(given)
             why = (
                 f"{bad} of {given.numel()} hidden values are NaN/inf; the prefix model diverged "
                 "or overflowed; fix the model (or its dtype) before caching"
@@ -371,15 +379,15 @@ class CacheWriter:
 
 def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict]) -> dict:
     n, s, hs = header["num_samples"], header["seq_len"], header["hidden_size"]
-    stats, error = codecs.combine_stats([m["stats"] for m in markers])
-    sampling = codecs.sampling_record([m["stats"] for m in markers])
+    stats, error = combine_stats([m["stats"] for m in markers])
+    sampling = sampling_record([m["stats"] for m in markers])
     value_bytes = sum(f["bytes"] for m in markers for f in m["files"].values())
     others = {
         rel: checksum_file(cache_dir / rel)
         for rel in (SAMPLES, f"{HIDDEN}/zarr.json", f"{SCALE}/zarr.json")
         if (cache_dir / rel).exists()
     }
-    raw = n * s * hs * codecs.stored_dtype(header["dtype"]).itemsize
+    raw = n * s * hs * stored_dtype(header["dtype"]).itemsize
     return {
         "format_version": CACHE_FORMAT_VERSION,
         "fingerprint": header["fingerprint"],

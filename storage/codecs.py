@@ -19,48 +19,9 @@ from zarr.codecs import BloscCodec, ZstdCodec
 from zarr.storage import MemoryStore
 
 from storage.config import CacheConfig
-from storage.samples import read_samples, samples_arrays, samples_table
-from storage.shard_codec import (
-    CODEC_THREADS,
-    MAX_U64,
-    ShardCodec,
-    _zarr_decode_shard,
-    _zarr_encode_shard,
-    decode_shard,
-    encode_shard,
-    encode_shard_parts,
-    shard_codec,
-    shard_key,
-)
-from storage.stats import (
-    STATS_BLOCK,
-    combine_stats,
-    count_nonfinite,
-    sampling_record,
-    shard_stats,
-    shard_stats_sampled,
-)
 from storage.values import (
-    FP8_MAX,
-    INT8_MAX,
-    LOGICAL_TORCH,
-    STORED_NP,
     CodecError,
-    _as_float_tensor,
-    decode,
-    encode,
-    is_lossy,
-    stored_dtype,
 )
-
-__all__ = [
-    "CODEC_THREADS", "FP8_MAX", "INT8_MAX", "LOGICAL_TORCH", "MAX_U64", "STATS_BLOCK",
-    "STORED_NP", "CodecError", "ShardCodec", "_as_float_tensor", "_zarr_decode_shard",
-    "_zarr_encode_shard", "array_json", "combine_stats", "compressors", "count_nonfinite",
-    "decode", "decode_shard", "encode", "encode_shard", "encode_shard_parts", "is_lossy",
-    "read_samples", "samples_arrays", "samples_table", "shard_codec", "shard_key",
-    "sampling_record", "shard_stats", "shard_stats_sampled", "stored_dtype",
-]  # fmt: skip
 
 _SHUFFLE = {"none": "noshuffle", "byte": "shuffle", "bit": "bitshuffle"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from preinfer.confload import ConfigError
+from core.config import ConfigError
 
 DTYPES = ("fp32", "fp16", "bf16", "int8", "fp8_e4m3")
 LOSSY_DTYPES = ("int8", "fp8_e4m3")

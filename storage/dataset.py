@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from storage import codecs
-from storage.cache import CacheError
-from storage.codecs import stored_dtype
+from storage.layout import CacheError
+from storage.values import decode, stored_dtype
 
 if TYPE_CHECKING:
     from storage.reader import Cache
@@ -162,7 +161,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 rows = slice(s, s + len(idx))
                 v, lbl = buf[0][rows].copy(), labels[rows].clone()
                 sc = buf[1][rows].copy() if buf[1] is not None else None
-            yield codecs.decode(v, sc, self.cache.dtype, self.dtype), lbl
+            yield decode(v, sc, self.cache.dtype, self.dtype), lbl
         rest = order[full:held]
         if len(rest):
             ix = rest.numpy()

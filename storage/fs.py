@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from preinfer.confload import ConfigError
+from core.config import ConfigError
 from storage.config import StorageConfig
 
 LOCAL_SCHEMES = ("file",)

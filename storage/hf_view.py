@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from storage import codecs
+from storage.values import decode, is_lossy, stored_dtype
 
 if TYPE_CHECKING:
     from storage.reader import Cache
@@ -27,13 +27,13 @@ def to_hf_dataset(cache: Cache):
     import datasets
     from datasets.features.features import Array2DExtensionType
 
-    s, hs, sd = cache.seq_len, cache.hidden_size, codecs.stored_dtype(cache.dtype)
+    s, hs, sd = cache.seq_len, cache.hidden_size, stored_dtype(cache.dtype)
     feats = {
         "sample_id": datasets.Value("int64"),
         "labels": datasets.List(datasets.Value("int32"), length=s),
         "hidden": datasets.Array2D(shape=(s, hs), dtype=sd.name),
     }
-    if codecs.is_lossy(cache.dtype):
+    if is_lossy(cache.dtype):
         feats["scale"] = datasets.List(datasets.Value("float32"), length=s)
     batches = []
     for i in range(cache.num_shards):
@@ -69,6 +69,6 @@ def hf_to_torch(hidden, cache_dtype: str, scale=None, out_dtype=None) -> torch.T
     """HF view values (list / numpy / torch, possibly widened to int64) -> decoded tensor."""
     if isinstance(hidden, torch.Tensor):
         hidden = hidden.numpy()
-    stored = np.asarray(hidden).astype(codecs.stored_dtype(cache_dtype), copy=False)
+    stored = np.asarray(hidden).astype(stored_dtype(cache_dtype), copy=False)
     sc = None if scale is None else np.asarray(scale, np.float32)
-    return codecs.decode(stored, sc, cache_dtype, out_dtype)
+    return decode(stored, sc, cache_dtype, out_dtype)

@@ -8,7 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
-from storage import atomic, codecs, fs
+from storage import atomic, fs
+from storage.values import is_lossy, stored_dtype
 
 HIDDEN, SCALE, SAMPLES, BUILD, DONE, MANIFEST = (
     "hidden.zarr",
@@ -50,14 +51,14 @@ def read_json(path: Path, what: str) -> dict:
 
 def rows_per_shard(seq_len: int, hidden_size: int, dtype: str, shard_mb: float) -> int:
     """Rows R per shard so that one shard holds about `shard_mb` MiB of stored values."""
-    row = seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
+    row = seq_len * hidden_size * stored_dtype(dtype).itemsize
     return max(1, int(shard_mb * 2**20) // row)
 
 
 def estimate_cache_bytes(n: int, seq_len: int, hidden_size: int, dtype: str) -> int:
     """Upper bound of a cache's size on disk (uncompressed values + scales + samples + index)."""
-    values = n * seq_len * hidden_size * codecs.stored_dtype(dtype).itemsize
-    scale = n * seq_len * 4 if codecs.is_lossy(dtype) else 0
+    values = n * seq_len * hidden_size * stored_dtype(dtype).itemsize
+    scale = n * seq_len * 4 if is_lossy(dtype) else 0
     samples = n * (8 + 2 * 4 * seq_len)
     return int(values * 1.01) + scale + samples + n * 32 + (1 << 16)
 

@@ -20,9 +20,9 @@ import math
 from pathlib import Path, PurePosixPath
 from typing import Any, NoReturn
 
-from preinfer.fingerprint import CACHE_FORMAT_VERSION
-from storage.cache import HIDDEN, MANIFEST, SAMPLES, SCALE, CacheCorrupt, CacheError
-from storage.codecs import STORED_NP, is_lossy
+from core.fingerprint import CACHE_FORMAT_VERSION
+from storage.layout import HIDDEN, MANIFEST, SAMPLES, SCALE, CacheCorrupt, CacheError
+from storage.values import STORED_NP, is_lossy
 
 MAX_COUNT = 1 << 40  # samples, shards, rows, positions, hidden size: more is a damaged manifest
 MAX_BYTES = 1 << 50  # one file (1 PiB)

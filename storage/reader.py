@@ -19,10 +19,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from preinfer.fingerprint import CACHE_FORMAT_VERSION
-from storage import codecs, fs
+from core.fingerprint import CACHE_FORMAT_VERSION
+from storage import fs
 from storage.atomic import entry_algo, file_matches, hasher, read_array, read_into
-from storage.cache import (
+from storage.layout import (
     DONE,
     HIDDEN,
     MANIFEST,
@@ -34,14 +34,8 @@ from storage.cache import (
     FingerprintMismatch,
     read_json,
 )
-from storage.codecs import stored_dtype
-from storage.dataset import DEFAULT_BUFFER_MB, CacheDataset, buffer_rows, rank_pieces
-from storage.hf_view import hf_to_torch, to_hf_dataset
-
-__all__ = [
-    "DEFAULT_BUFFER_MB", "Cache", "CacheDataset", "buffer_rows", "hf_to_torch", "meta_diff",
-    "open_cache", "rank_pieces", "to_hf_dataset",
-]  # fmt: skip
+from storage.shard_codec import decode_shard, shard_codec
+from storage.values import CodecError, decode, stored_dtype
 
 
 def _flat(d, prefix="") -> dict:
@@ -196,8 +190,8 @@ class Cache:
 
     def _decode(self, name: str, i: int, blobs: dict, a: int, b: int) -> np.ndarray:
         try:
-            return codecs.decode_shard(self._json[name], i, blobs[name], a, b)
-        except codecs.CodecError as e:
+            return decode_shard(self._json[name], i, blobs[name], a, b)
+        except CodecError as e:
             raise CacheCorrupt(
                 f"shard {i}: {name} cannot be decoded ({e}); rebuild the cache"
             ) from None
@@ -209,7 +203,7 @@ class Cache:
         if fs.is_url(self.dir):
             return False  # an object store: one GET per shard (_shard_bytes)
         files = self.manifest["shards"][i]["files"]
-        hc = codecs.shard_codec(self._json[HIDDEN])
+        hc = shard_codec(self._json[HIDDEN])
         span = hc.dense_payload(len(dest))
         if len(files) != 1 or span is None:
             return False
@@ -240,7 +234,7 @@ class Cache:
             )
         try:
             return hc.is_dense(hc.parse_index(index), len(dest))
-        except codecs.CodecError as e:
+        except CodecError as e:
             raise CacheCorrupt(
                 f"shard {i}: {HIDDEN} cannot be decoded ({e}); rebuild the cache"
             ) from None
@@ -270,7 +264,7 @@ class Cache:
                 v = v.copy() if v.base is not None else v
                 sc = sc.copy() if sc is not None and sc.base is not None else sc
             return v, sc
-        hc = codecs.shard_codec(self._json[HIDDEN])
+        hc = shard_codec(self._json[HIDDEN])
         out = np.empty((stop - start, *hc.shape[1:]), stored_dtype(self.dtype))
         scales = []
         for i, a, b, whole in pieces:
@@ -319,7 +313,7 @@ class Cache:
     def read_rows(self, start: int, stop: int, dtype=torch.float32):
         """(hidden [n, S, H] in `dtype` (None: logical), labels [n, S] long, sample_ids [n])."""
         stored, scale = self.read_stored(start, stop)
-        return (codecs.decode(stored, scale, self.dtype, dtype), *self.read_labels(start, stop))
+        return (decode(stored, scale, self.dtype, dtype), *self.read_labels(start, stop))
 
     def read_shard(self, i: int, dtype=torch.float32):
         return self.read_rows(*self.shard_range(i), dtype=dtype)

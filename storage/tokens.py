@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from preinfer.fingerprint import file_hash
+from core.fingerprint import file_hash
 from storage import fs
 from storage.atomic import checksum_file
 

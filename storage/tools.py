@@ -12,15 +12,7 @@ from pathlib import Path
 
 from storage import atomic, fs
 from storage.atomic import dir_bytes
-from storage.cache import (
-    BUILD,
-    DONE,
-    HIDDEN,
-    MANIFEST,
-    CacheError,
-    CacheIncomplete,
-    read_json,
-)
+from storage.layout import BUILD, DONE, HIDDEN, MANIFEST, CacheError, CacheIncomplete, read_json
 from storage.manifest import validate_manifest
 from storage.reader import open_cache
 

@@ -35,6 +35,7 @@ TINY = [
     "train.workers=0",
     "train.lr=0.003",
     "train.checkpoint_every=2",
+    "train.epochs=null",  # every train row cached (tests of the epochs budget set it)
 ]
 
 

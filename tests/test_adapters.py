@@ -7,8 +7,8 @@ import torch
 from torch.testing import assert_close
 
 from conftest import ARCHS, MINILM, tiny_input_ids, tiny_model_config
+from core.config import ConfigError
 from preinfer.adapters import AdapterError, block_boundaries, forward_blocks, get_adapter
-from preinfer.confload import ConfigError
 from preinfer.modeling import (
     build_model,
     default_intermediate,

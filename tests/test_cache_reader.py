@@ -5,23 +5,20 @@ import pyarrow as pa
 import pytest
 import torch
 
-from storage import codecs
-from storage.cache import (
-    CacheCorrupt,
-    CacheError,
-    CacheIncomplete,
-    CacheWriter,
-    FingerprintMismatch,
-)
+from storage.cache import CacheWriter
 from storage.config import CacheConfig
-from storage.reader import CacheDataset, hf_to_torch, open_cache, rank_pieces, to_hf_dataset
+from storage.dataset import CacheDataset, rank_pieces
+from storage.hf_view import hf_to_torch, to_hf_dataset
+from storage.layout import CacheCorrupt, CacheError, CacheIncomplete, FingerprintMismatch
+from storage.reader import open_cache
 from storage.tools import verify_cache
+from storage.values import stored_dtype
 
 N, S, H, R = 40, 8, 16, 8  # 5 shards of 8 rows
 
 
 def build(root, fp="fp", dtype="bf16", n=N, rows=R, finalize=True, meta=None):
-    item = codecs.stored_dtype(dtype).itemsize
+    item = stored_dtype(dtype).itemsize
     c = CacheConfig(dtype=dtype, codec="zstd", shuffle="none", shard_mb=rows * S * H * item / 2**20)
     labels = np.tile(np.arange(n)[:, None], (1, S))  # label = row id: tests can track rows
     w = CacheWriter.create(
@@ -109,7 +106,7 @@ def test_hf_view_is_bit_exact(tmp_path, dtype):
     ds = to_hf_dataset(c)
     assert len(ds) == N
     stored_type = ds.data.schema.field("hidden").type.storage_type
-    assert stored_type.value_type.value_type == pa.from_numpy_dtype(codecs.stored_dtype(dtype))
+    assert stored_type.value_type.value_type == pa.from_numpy_dtype(stored_dtype(dtype))
     hidden, labels, sids = c.read_rows(0, N, dtype=None)
     stored, _ = c.read_stored(0, N)
     arrow_hidden = np.asarray(ds.data.column("hidden").to_pylist(), dtype=stored.dtype)

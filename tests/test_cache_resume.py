@@ -7,16 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from storage import atomic, codecs
-from storage.cache import CacheError, CacheIncomplete, CacheWriter, is_complete
+from storage import atomic
+from storage.cache import CacheWriter
 from storage.config import CacheConfig
+from storage.layout import CacheError, CacheIncomplete, is_complete
 from storage.reader import open_cache
+from storage.shard_codec import encode_shard_parts
+from storage.values import stored_dtype
 
 N, S, H, R = 40, 8, 16, 8  # 5 shards
 
 
 def cfg(dtype="bf16"):
-    item = codecs.stored_dtype(dtype).itemsize
+    item = stored_dtype(dtype).itemsize
     return CacheConfig(
         dtype=dtype, codec="blosc-zstd", shuffle="byte", shard_mb=R * S * H * item / 2**20
     )
@@ -92,9 +95,9 @@ def test_resume_after_crash_writes_only_missing_shards(tmp_path, monkeypatch, dt
     assert missing == [1, 2, 3, 4]
     assert w2.missing_shards(verify=False) == [2, 3, 4]  # size-only check misses the flip
     calls = []
-    real_encode = codecs.encode_shard_parts
+    real_encode = encode_shard_parts
     monkeypatch.setattr(
-        codecs, "encode_shard_parts", lambda *a: calls.append(a[1]) or real_encode(*a)
+        "storage.cache.encode_shard_parts", lambda *a: calls.append(a[1]) or real_encode(*a)
     )
     for i in missing:
         w2.write_shard(i, x[slice(*w2.shard_range(i))])

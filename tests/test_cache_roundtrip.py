@@ -11,9 +11,20 @@ from zarr.storage import LocalStore
 
 from storage import cache as cache_mod
 from storage import codecs
-from storage.cache import CacheError, CacheWriter, estimate_cache_bytes
+from storage.cache import CacheWriter
 from storage.config import CacheConfig
+from storage.layout import CacheError, estimate_cache_bytes
 from storage.reader import open_cache
+from storage.shard_codec import (
+    MAX_U64,
+    _zarr_decode_shard,
+    _zarr_encode_shard,
+    decode_shard,
+    encode_shard,
+    shard_codec,
+)
+from storage.stats import STATS_BLOCK, shard_stats, shard_stats_sampled
+from storage.values import CodecError, decode, encode, stored_dtype
 
 N, S, H, R = 40, 8, 16, 8  # 40 samples in shards of 8 rows -> 5 shards
 
@@ -26,7 +37,7 @@ def samples(n=N, seed=0):
 
 
 def cfg(dtype="bf16", codec="none", shuffle="none", rows=R, **kw):
-    item = codecs.stored_dtype(dtype).itemsize
+    item = stored_dtype(dtype).itemsize
     return CacheConfig(
         dtype=dtype, codec=codec, shuffle=shuffle, shard_mb=rows * S * H * item / 2**20, **kw
     )
@@ -139,16 +150,16 @@ def test_lossy_within_recorded_error_and_no_nan_with_outliers(tmp_path, dtype):
 
 
 def test_codec_refuses_nan_overflow_and_bad_types():
-    with pytest.raises(codecs.CodecError, match="NaN"):
-        codecs.encode(torch.tensor([[[1.0, float("nan")]]]), "bf16")
-    with pytest.raises(codecs.CodecError, match="overflow fp16"):
-        codecs.encode(torch.tensor([[[1e5]]]), "fp16")
-    with pytest.raises(codecs.CodecError, match="float32/float16"):
-        codecs.encode(np.zeros((1, 1, 2), np.int64), "fp32")
-    with pytest.raises(codecs.CodecError, match="blosc-zstd"):
+    with pytest.raises(CodecError, match="NaN"):
+        encode(torch.tensor([[[1.0, float("nan")]]]), "bf16")
+    with pytest.raises(CodecError, match="overflow fp16"):
+        encode(torch.tensor([[[1e5]]]), "fp16")
+    with pytest.raises(CodecError, match="float32/float16"):
+        encode(np.zeros((1, 1, 2), np.int64), "fp32")
+    with pytest.raises(CodecError, match="blosc-zstd"):
         codecs.compressors(CacheConfig(codec="blosc-zstd", level=12))
-    q, s = codecs.encode(torch.zeros(2, 3, 4), "fp8_e4m3")
-    assert (s == 0).all() and torch.equal(codecs.decode(q, s, "fp8_e4m3"), torch.zeros(2, 3, 4))
+    q, s = encode(torch.zeros(2, 3, 4), "fp8_e4m3")
+    assert (s == 0).all() and torch.equal(decode(q, s, "fp8_e4m3"), torch.zeros(2, 3, 4))
 
 
 def test_same_shard_twice_gives_identical_bytes_equal_to_zarr(tmp_path):
@@ -247,7 +258,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
 
 
 def test_samples_as_arrow_table_equal_arrays(tmp_path):
-    from storage.codecs import samples_arrays, samples_table
+    from storage.samples import samples_arrays, samples_table
 
     t = samples_table(*(np.asarray(a) for a in samples()))
     assert str(t.schema.field("input_ids").type) == "list<item: int32>"
@@ -320,24 +331,24 @@ def test_shard_bytes_equal_zarr_for_every_dtype_and_codec(dtype, codec, shuffle)
     # [N, S, H] values and the [N, S] scale layout; R divides N or leaves a short last shard
     for shape, rows in (((11, 3, 5), 4), ((8, 2, 4), 8), ((5, 6), 2), ((3, 2, 2), 1)):
         meta = codecs.array_json(shape, rows, np_dtype, c, {"x": 1})
-        sc = codecs.shard_codec(meta)
+        sc = shard_codec(meta)
         assert sc.fast, sc.why_slow
         x = _values(shape, np_dtype)
         for i in range(-(-shape[0] // rows)):
             a, b = i * rows, min((i + 1) * rows, shape[0])
-            ours = codecs.encode_shard(meta, i, a, x[a:b])
-            assert ours == codecs._zarr_encode_shard(meta, i, a, x[a:b]), (shape, i)
+            ours = encode_shard(meta, i, a, x[a:b])
+            assert ours == _zarr_encode_shard(meta, i, a, x[a:b]), (shape, i)
             for s0, s1 in ((a, b), (a, a + 1), (b - 1, b)):  # whole shard and single rows
-                got = codecs.decode_shard(meta, i, ours, s0, s1)
+                got = decode_shard(meta, i, ours, s0, s1)
                 assert got.dtype == np_dtype and got.shape == x[s0:s1].shape
                 assert got.tobytes() == x[s0:s1].tobytes()
-                ref = codecs._zarr_decode_shard(meta, i, ours, s0, s1)
+                ref = _zarr_decode_shard(meta, i, ours, s0, s1)
                 assert ref.tobytes() == got.tobytes()
         if len(shape) == 3 and shape[0] % rows:  # rows written past the array's end: absent
-            last = codecs.encode_shard(meta, shape[0] // rows, shape[0] // rows * rows,
+            last = encode_shard(meta, shape[0] // rows, shape[0] // rows * rows,
                                        x[shape[0] // rows * rows:])  # fmt: skip
             index = sc.read_index(np.frombuffer(last, np.uint8))
-            assert (index[shape[0] % rows :] == codecs.MAX_U64).all()
+            assert (index[shape[0] % rows :] == MAX_U64).all()
 
 
 def test_blosc_and_zstd_parameters_are_zarrs():
@@ -346,7 +357,7 @@ def test_blosc_and_zstd_parameters_are_zarrs():
         meta = codecs.array_json((4, 2, 3), 2, np.dtype(STORED[dtype]), c, {})
         arr = zarr.open_array(zarr.storage.MemoryStore({"zarr.json": _buf(meta)}))
         (zblosc,) = arr.metadata.codecs[0].codecs[1:]
-        ours = codecs.shard_codec(meta).compressor
+        ours = shard_codec(meta).compressor
         want = zblosc._blosc_codec
         assert (ours.cname, ours.clevel, ours.shuffle, ours.blocksize, ours._typesize) == (
             want.cname, want.clevel, want.shuffle, want.blocksize, want._typesize
@@ -354,7 +365,7 @@ def test_blosc_and_zstd_parameters_are_zarrs():
         assert ours._typesize == np.dtype(STORED[dtype]).itemsize
     meta = codecs.array_json((4, 2, 3), 2, np.dtype("uint16"), CacheConfig(codec="zstd",
                              shuffle="none", level=4), {})  # fmt: skip
-    z = codecs.shard_codec(meta).compressor
+    z = shard_codec(meta).compressor
     assert (z.level, z.checksum) == (4, False)
 
 
@@ -380,37 +391,37 @@ def test_index_at_start_and_unknown_metadata_fall_back_to_zarr():
     m = json.loads(meta)
     m["codecs"][0]["configuration"]["index_location"] = "start"
     start = json.dumps(m).encode()
-    assert codecs.shard_codec(start).fast
+    assert shard_codec(start).fast
     for i, (a, b) in enumerate(((0, 3), (3, 6), (6, 7))):
-        ours = codecs.encode_shard(start, i, a, x[a:b])
-        assert ours == codecs._zarr_encode_shard(start, i, a, x[a:b])
-        assert codecs.decode_shard(start, i, ours, a, b).tobytes() == x[a:b].tobytes()
+        ours = encode_shard(start, i, a, x[a:b])
+        assert ours == _zarr_encode_shard(start, i, a, x[a:b])
+        assert decode_shard(start, i, ours, a, b).tobytes() == x[a:b].tobytes()
     m["codecs"][0]["configuration"]["index_codecs"] = [
         {"name": "bytes", "configuration": {"endian": "little"}}
     ]  # no crc32c: still ours
     m["codecs"][0]["configuration"]["index_location"] = "end"
     nocrc = json.dumps(m).encode()
-    assert codecs.shard_codec(nocrc).fast
-    assert codecs.encode_shard(nocrc, 0, 0, x[:3]) == codecs._zarr_encode_shard(nocrc, 0, 0, x[:3])
+    assert shard_codec(nocrc).fast
+    assert encode_shard(nocrc, 0, 0, x[:3]) == _zarr_encode_shard(nocrc, 0, 0, x[:3])
     m["codecs"][0]["configuration"]["codecs"].insert(
         0, {"name": "transpose", "configuration": {"order": [0, 2, 1]}}
     )  # a layout we do not implement: zarr itself encodes it
     odd = json.dumps(m).encode()
-    assert not codecs.shard_codec(odd).fast
-    blob = codecs.encode_shard(odd, 1, 3, x[3:6])
-    assert blob == codecs._zarr_encode_shard(odd, 1, 3, x[3:6])
-    assert codecs.decode_shard(odd, 1, blob, 3, 6).tobytes() == x[3:6].tobytes()
+    assert not shard_codec(odd).fast
+    blob = encode_shard(odd, 1, 3, x[3:6])
+    assert blob == _zarr_encode_shard(odd, 1, 3, x[3:6])
+    assert decode_shard(odd, 1, blob, 3, 6).tobytes() == x[3:6].tobytes()
 
 
 def test_damaged_shard_index_is_a_codec_error():
     c = CacheConfig(dtype="bf16", codec="none", shuffle="none")
     meta = codecs.array_json((4, 2, 3), 4, np.dtype("uint16"), c, {})
-    blob = bytearray(codecs.encode_shard(meta, 0, 0, _values((4, 2, 3), np.uint16)))
+    blob = bytearray(encode_shard(meta, 0, 0, _values((4, 2, 3), np.uint16)))
     blob[-10] ^= 1  # inside the index: crc32c catches it
-    with pytest.raises(codecs.CodecError, match="crc32c"):
-        codecs.decode_shard(meta, 0, bytes(blob), 0, 4)
-    with pytest.raises(codecs.CodecError, match="fewer than its index"):
-        codecs.decode_shard(meta, 0, b"\0" * 10, 0, 4)
+    with pytest.raises(CodecError, match="crc32c"):
+        decode_shard(meta, 0, bytes(blob), 0, 4)
+    with pytest.raises(CodecError, match="fewer than its index"):
+        decode_shard(meta, 0, b"\0" * 10, 0, 4)
 
 
 @pytest.mark.parametrize("codec,shuffle", [("none", "none"), ("blosc-zstd", "bit")])
@@ -446,17 +457,17 @@ def test_plain_zarr_reads_the_cache(tmp_path, dtype, codec, shuffle):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_stats_are_exact_over_every_value_and_deterministic(dtype):
     g = torch.Generator().manual_seed(5)
-    n = codecs.STATS_BLOCK * 2 + 7  # several blocks and an odd tail
+    n = STATS_BLOCK * 2 + 7  # several blocks and an odd tail
     x = (torch.randn(n, generator=g) * 2 + 0.25).to(dtype)
     x[n // 2 + 3] = -40.0  # the absmax sits in one value only (a subsample would miss it)
-    st = codecs.shard_stats(x)
+    st = shard_stats(x)
     d = x.double()
     assert st["count"] == n and st["absmax"] == 40.0
     assert st["sum"] == pytest.approx(float(d.sum()), abs=1e-6 * float(d.abs().sum()))
     assert st["sumsq"] == pytest.approx(float((d * d).sum()), rel=1e-5)
     big = torch.zeros(n + 1, dtype=dtype)
     big[1:] = x  # the same values at another alignment: the same stats, bit for bit
-    assert codecs.shard_stats(big[1:]) == st
+    assert shard_stats(big[1:]) == st
 
 
 def test_stats_catch_nonfinite_values_and_survive_fp32_overflow():
@@ -464,10 +475,10 @@ def test_stats_catch_nonfinite_values_and_survive_fp32_overflow():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = torch.ones(1001, dtype=dtype)
             x[500] = bad
-            with pytest.raises(codecs.CodecError, match="1 of 1001 values are NaN/inf"):
-                codecs.shard_stats(x)
+            with pytest.raises(CodecError, match="1 of 1001 values are NaN/inf"):
+                shard_stats(x)
     x = torch.tensor([3e38, 3e38, -1e38, 5.0])  # finite, but its fp32 sums overflow
-    st = codecs.shard_stats(x.to(torch.bfloat16))
+    st = shard_stats(x.to(torch.bfloat16))
     assert st["absmax"] == pytest.approx(3e38, rel=1e-2) and np.isfinite(st["sumsq"])
 
 
@@ -478,19 +489,19 @@ def test_sampled_stats_keep_absmax_and_nan_check_exact(dtype):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(64, 8, 16, generator=g) * 2 + 0.25).to(dtype)  # 8192 values
     x[13, 5, 2] = -40.0  # row 13: not in the row sample (stride 8 -> rows 0, 8, ... 56)
-    st = codecs.shard_stats_sampled(x, budget=1024)
+    st = shard_stats_sampled(x, budget=1024)
     assert st["row_stride"] == 8 and st["values"] == x.numel() and st["count"] == 8 * 128
     assert st["absmax"] == 40.0  # every value, from the bits
     sub = x[::8].double()
     assert st["sum"] == pytest.approx(float(sub.sum()), abs=1e-4)
     assert st["sumsq"] == pytest.approx(float((sub * sub).sum()), rel=1e-5)
-    assert codecs.shard_stats_sampled(x.clone(), budget=1024) == st  # deterministic
-    assert codecs.shard_stats_sampled(x, budget=x.numel()) == codecs.shard_stats(x)  # small
+    assert shard_stats_sampled(x.clone(), budget=1024) == st  # deterministic
+    assert shard_stats_sampled(x, budget=x.numel()) == shard_stats(x)  # small
     y = x.clone()
     for bad in (float("nan"), float("inf"), -float("inf")):
         y[13, 0, 0] = bad  # an unsampled row: still caught
-        with pytest.raises(codecs.CodecError, match=f"1 of {x.numel()} values are NaN/inf"):
-            codecs.shard_stats_sampled(y, budget=1024)
+        with pytest.raises(CodecError, match=f"1 of {x.numel()} values are NaN/inf"):
+            shard_stats_sampled(y, budget=1024)
     neg = -x.abs()  # only negatives; -0.0 and 0.0 give 0
     assert bits_absmax(neg) == (40.0, False)
     assert bits_absmax(torch.full((5,), -0.0, dtype=dtype)) == (0.0, False)

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from storage.cache import CacheError, CacheWriter
+from storage.cache import CacheWriter
 from storage.config import CacheConfig
+from storage.layout import CacheError
 from storage.tools import format_table, gc_caches, inspect_cache, list_caches, verify_cache
 
 N, S, H = 24, 8, 16

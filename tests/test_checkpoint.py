@@ -14,9 +14,11 @@ from torch.testing import assert_close
 import preinfer.checkpoint as ckmod
 import preinfer.checkpoint_init as ckinit
 from conftest import tiny_input_ids, tiny_model_config
+from core.fingerprint import file_hash
 from preinfer.adapters import AdapterError, forward_blocks, get_adapter
-from preinfer.checkpoint import INDEX, Checkpoint, CheckpointError, init_checkpoint
-from preinfer.fingerprint import file_hash
+from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_format import INDEX, CheckpointError
+from preinfer.checkpoint_init import init_checkpoint
 from preinfer.modeling import build_model
 
 
@@ -321,7 +323,7 @@ def test_concurrent_init_of_the_same_config_returns_the_winner(tmp_path, monkeyp
 def test_tensor_hash_is_unchanged_and_reads_tensors_in_place():
     """Block hashes in existing checkpoints stay valid: the digest of fixed tensors is pinned
     (it was made from a bytes copy; it now reads each tensor's bytes in place, no copy)."""
-    from preinfer.fingerprint import tensors_hash
+    from core.fingerprint import tensors_hash
 
     t = {"a": torch.arange(10.0).reshape(2, 5), "b": torch.ones(3, dtype=torch.bfloat16),
          "c": torch.zeros(0), "d": torch.arange(6.0).reshape(2, 3).t()}  # fmt: skip

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from preinfer.cli import main
+from pipelines.cli import main
 from tests.pipeline_fixtures import TINY
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipelines.preinfer import SLOW_ENV, plan_caches
+from core.faults import SHARD_DELAY_S
+from preinfer.cache_identity import plan_caches
 from storage.reader import open_cache
 from tests.pipeline_fixtures import TINY
 
@@ -249,7 +250,7 @@ def test_worker_node_dies_mid_preinference_and_the_job_still_completes(two_node_
     client = c.client()
     job_id = client.submit_job(
         entrypoint=shlex.join(build_entry(cfg.run.dir, 2, "cache.shard_mb=0.2")),
-        runtime_env={"env_vars": {SLOW_ENV: "2"}},  # every shard task sleeps 2 s first
+        runtime_env={"env_vars": {SHARD_DELAY_S: "2"}},  # every shard task sleeps 2 s first
     )
     # pre-inference has started (a shard is committed) and an actor runs on the worker node
     deadline = time.time() + 420

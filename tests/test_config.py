@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ConfigError, field_docs
 from preinfer.config import Config, load_config
-from preinfer.confload import ConfigError, field_docs
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
 

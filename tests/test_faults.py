@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.preinfer import build_cache, plan_caches
+from pipelines.cache_build import build_cache
 from pipelines.rotate import run_bcd
+from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from storage.cache import CacheWriter
 from storage.config import CacheConfig
@@ -116,8 +117,8 @@ def test_replaced_checkpoint_block_never_reads_the_old_cache(tiny_run):
     plans = plan_caches(cfg, 2, create=False)
     assert all(not p.complete for p in plans)
     assert {p.split: p.fingerprint for p in plans} != old
+    from core.config import ConfigError
     from pipelines.train import run_train
-    from preinfer.confload import ConfigError
 
     with pytest.raises(ConfigError, match="not built for the checkpoint as it is now"):
         run_train(cfg, 2, log=quiet)
@@ -126,11 +127,11 @@ def test_replaced_checkpoint_block_never_reads_the_old_cache(tiny_run):
 
 
 def test_cache_build_refuses_before_writing_when_disk_is_too_small(tiny_run, monkeypatch):
-    import storage.cache
     from preinfer.guards import DiskSpaceError
 
     cfg = tiny_run()
-    monkeypatch.setattr(storage.cache, "free_disk_bytes", lambda path: 1000)
+    for where in ("storage.layout", "storage.cache"):  # the guard's and the writer's
+        monkeypatch.setattr(f"{where}.free_disk_bytes", lambda path: 1000)
     with pytest.raises(DiskSpaceError, match="only 1000"):
         build_cache(cfg, 1, log=quiet)
     with pytest.raises(DiskSpaceError):

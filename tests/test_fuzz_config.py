@@ -10,9 +10,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preinfer.cli import main
+from core.config import ConfigError, apply_override
+from pipelines.cli import main
 from preinfer.config import config_from_dict, load_config
-from preinfer.confload import ConfigError, apply_override
 
 SECTIONS = ["run", "model", "data", "partition", "cache", "preinfer", "train"]
 KEYS = [

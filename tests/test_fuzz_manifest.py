@@ -25,10 +25,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preinfer.cli import main
+from pipelines.cli import main
 from storage import tools
-from storage.cache import CacheCorrupt, CacheError, CacheWriter, FingerprintMismatch
+from storage.cache import CacheWriter
 from storage.config import CacheConfig
+from storage.layout import CacheCorrupt, CacheError, FingerprintMismatch
 from storage.manifest import validate_manifest
 from storage.reader import open_cache
 
@@ -117,7 +118,7 @@ class Sandbox:
 
 @pytest.fixture(scope="module")
 def box(tmp_path_factory):
-    from preinfer import cli
+    from pipelines import cli
 
     with pytest.MonkeyPatch.context() as mp:  # one parser for the module: ~50 ms per command
         mp.setattr(cli, "build_parser", functools.cache(cli.build_parser))

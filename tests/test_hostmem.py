@@ -42,31 +42,34 @@ def test_freed_buffers_above_the_threshold_leave_the_resident_set():
     assert held > 150 and after < 20, (held, after)
 
 
-def test_environment_sets_or_disables_the_threshold(monkeypatch):
+def test_zero_threshold_leaves_the_allocator_alone(monkeypatch):
+    from core.config import ConfigError
+    from preinfer.config import load_config
+
     monkeypatch.setattr(hostmem, "_pinned", None)
-    monkeypatch.setenv(hostmem.ENV, "0")
-    assert hostmem.pin_malloc() is None and hostmem.pinned() is None  # off: nothing changed
-    monkeypatch.setenv(hostmem.ENV, "4MB")
-    with pytest.raises(ValueError, match="byte count"):
-        hostmem.pin_malloc()
+    assert hostmem.pin_malloc(0) is None and hostmem.pinned() is None  # off: nothing changed
     with pytest.raises(ValueError, match=">= 0 bytes"):
         hostmem.pin_malloc(-1)
+    with pytest.raises(ConfigError, match="malloc_mmap_threshold_mb"):
+        load_config(None, ["preinfer.malloc_mmap_threshold_mb=-1"])
 
 
 def test_workers_get_two_malloc_arenas_unless_told_otherwise(monkeypatch):
-    """The env Ray gives the pre-inference actors (pipelines.preinfer.actor_env)."""
-    from pipelines.preinfer import FAULT_ENV, actor_env
+    """The env Ray gives the pre-inference actors (pipelines.cache_build.actor_env)."""
+    from core import faults
+    from pipelines.cache_build import actor_env
+    from preinfer.config import load_config
 
+    cfg = load_config(None)
     monkeypatch.delenv(hostmem.ARENA_ENV, raising=False)
-    monkeypatch.delenv(hostmem.ENV, raising=False)
-    monkeypatch.delenv(FAULT_ENV, raising=False)
-    assert hostmem.worker_env() == {"MALLOC_ARENA_MAX": "2"}
-    monkeypatch.setenv(FAULT_ENV, "/tmp/x")
-    assert actor_env() == {"MALLOC_ARENA_MAX": "2", FAULT_ENV: "/tmp/x"}
-    monkeypatch.setenv(hostmem.ENV, "0")  # allocator settings off: glibc's defaults
-    assert hostmem.worker_env() == {}
+    monkeypatch.delenv(faults.DIE_ONCE, raising=False)
+    assert actor_env(cfg) == {"MALLOC_ARENA_MAX": "2"}
+    monkeypatch.setenv(faults.DIE_ONCE, "/tmp/x")
+    assert actor_env(cfg) == {"MALLOC_ARENA_MAX": "2", faults.DIE_ONCE: "/tmp/x"}
+    monkeypatch.delenv(faults.DIE_ONCE)
+    assert actor_env(load_config(None, ["preinfer.malloc_arenas=0"])) == {}  # glibc's default
     monkeypatch.setenv(hostmem.ARENA_ENV, "4")  # the user's own choice wins
-    assert hostmem.worker_env() == {"MALLOC_ARENA_MAX": "4"}
+    assert hostmem.worker_env(2) == {"MALLOC_ARENA_MAX": "4"}
 
 
 ARENAS = """

@@ -18,12 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from preinfer.checkpoint import Checkpoint, CheckpointError
-from preinfer.cli import main as cli
-from preinfer.confload import ConfigError
+from core.config import ConfigError
+from pipelines.cli import main as cli
+from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_format import CheckpointError
 from storage import fs
-from storage.cache import MANIFEST, CacheError, CacheIncomplete, CacheWriter
+from storage.cache import CacheWriter
 from storage.config import CacheConfig, StorageConfig
+from storage.layout import MANIFEST, CacheError, CacheIncomplete
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import TINY, quiet, tiny_cfg
@@ -272,12 +274,12 @@ def test_cache_writes_are_ordered_whole_puts(s3, s3_run, monkeypatch):
 def test_cache_build_verify_train_from_s3(s3_run, capsys):
     """tokens + checkpoint + cache all on s3: build boundary 1 (Ray workers write their shards
     themselves), `preinfer cache verify` it, train block 1 from it, detect a flipped byte."""
+    from pipelines.cache_build import build_cache
     from pipelines.init import run_init
-    from pipelines.preinfer import build_cache
     from pipelines.tokenize import run_tokenize
     from pipelines.train import run_train
 
-    cfg = s3_run("cache.shard_mb=0.5")  # ~10 shards (each one PUT + one marker PUT)
+    cfg = s3_run("cache.shard_mb=0.25")  # several shards (each one PUT + one marker PUT)
     run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
     t0 = time.perf_counter()

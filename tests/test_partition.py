@@ -9,11 +9,18 @@ import pytest
 import torch
 
 from conftest import tiny_model_config
+from core.config import ConfigError
 from preinfer.adapters import get_adapter
-from preinfer.checkpoint import freeze_except, trainable_named_parameters, trainable_parameters
-from preinfer.confload import ConfigError
 from preinfer.modeling import build_model
-from preinfer.partition import Partition, block_tensor_names, partition_layers, partition_model
+from preinfer.partition import (
+    Partition,
+    block_tensor_names,
+    freeze_except,
+    partition_layers,
+    partition_model,
+    trainable_named_parameters,
+    trainable_parameters,
+)
 
 
 def brute_force(layers, embed, head, m):

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from core.config import ConfigError
 from preinfer import memory, plan
 from preinfer.config import load_config
-from preinfer.confload import ConfigError
 from preinfer.guards import DiskSpaceError, check_disk_for_cache, warn_trainer_memory
 from preinfer.partition import partition_layers
 from tests.conftest import tiny_model_config

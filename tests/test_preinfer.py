@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.preinfer import FAULT_ENV, build_cache, plan_caches, refresh_cache
+from core.config import ConfigError
+from core.faults import DIE_ONCE
+from pipelines.cache_build import build_cache, refresh_cache
 from preinfer.adapters import forward_blocks
+from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
-from preinfer.confload import ConfigError
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet
@@ -145,8 +147,8 @@ def test_actor_dying_on_first_shard_gives_identical_cache(tiny_run, tmp_path, mo
     clean = tiny_run(f"cache.root={tmp_path / 'clean'}")
     build_cache(clean, 1, log=quiet)
     marker = tmp_path / "died"
-    monkeypatch.setenv(FAULT_ENV, str(marker))
-    faulty = tiny_run(f"cache.root={tmp_path / 'faulty'}")
+    monkeypatch.setenv(DIE_ONCE, str(marker))
+    faulty = tiny_run(f"cache.root={tmp_path / 'faulty'}", "preinfer.executor=ray")
     res = build_cache(faulty, 1, log=quiet)
     assert marker.exists(), "the fault switch did not fire"
     for fp in res["fingerprints"].values():
@@ -211,7 +213,8 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
     assert sorted(ids[1, "train"]) == list(range(n))
     assert not np.array_equal(ids[1, "train"], np.arange(n))  # shuffled ...
     assert np.array_equal(ids[1, "train"], ids[2, "train"])  # ... the same at every boundary
-    assert np.array_equal(ids[1, "val"], np.arange(store.num_samples("val")))
+    # val: the rows the evaluations read (eval_batches x batch_size), in token order
+    assert np.array_equal(ids[1, "val"], np.arange(cfg.train.eval_batches * cfg.train.batch_size))
     other = {p.split: p.fingerprint for p in plan_caches(tiny_run("train.seed=5"), 1, create=False)}
     assert other["train"] != fps[1]["train"] and other["val"] == fps[1]["val"]
 
@@ -219,7 +222,8 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
 def _worker_run(cfg, block, first):
     """Every missing shard of boundary `block` written by ONE in-process PrefixWorker call
     per cache (the pipelined path: prefetch + background write), then finalized."""
-    from pipelines.preinfer import PrefixWorker, compute_choice
+    from pipelines.cache_build import PrefixWorker
+    from preinfer.cache_identity import compute_choice
     from storage.cache import CacheWriter
 
     choice = compute_choice(cfg)
@@ -242,11 +246,11 @@ def _worker_run(cfg, block, first):
 
 
 def test_worker_call_of_several_shards_equals_ray_build(tiny_run, tmp_path, monkeypatch):
-    from pipelines.preinfer import shards_per_task
+    from pipelines.cache_build import shards_per_task
     from storage.cache import CacheWriter
 
-    assert [shards_per_task(n, 2) for n in (1, 3, 4, 8, 39)] == [1, 1, 1, 2, 2]
-    ref = tiny_run(f"cache.root={tmp_path / 'ray'}")
+    assert [shards_per_task(tiny_run(), n, 2) for n in (1, 3, 4, 8, 39)] == [1, 1, 1, 2, 2]
+    ref = tiny_run(f"cache.root={tmp_path / 'ray'}", "preinfer.executor=ray")
     build_cache(ref, 1, log=quiet)
     fps = build_cache(ref, 2, log=quiet)["fingerprints"]
     cfg = tiny_run(f"cache.root={tmp_path / 'inproc'}")
@@ -272,3 +276,37 @@ def test_worker_call_of_several_shards_equals_ray_build(tiny_run, tmp_path, monk
     train = plan_caches(bad, 1)[0]
     assert 0 not in train.missing and 1 in train.missing
     assert not list((tmp_path / "bad").rglob("*.partial"))
+
+
+def test_a_visit_caches_exactly_the_rows_it_reads_and_refresh_keeps_them(tiny_run):
+    """train.epochs=2 with 6 steps of 8: the round's cache holds the 24 rows the visit reads
+    twice (not the whole split), boundary 2 (refreshed) holds the same rows in the same order,
+    val holds the rows the evaluations read, and block 0 reads those rows from tokens."""
+    from preinfer.cache_identity import sample_indices, store_budget
+    from preinfer.visit import Visit, VisitSpec
+
+    cfg = tiny_run("train.epochs=2")
+    store = TokenStore(cfg.data.out_dir)
+    budget = store_budget(cfg, store)
+    assert (budget.rows, budget.steps, budget.val_rows) == (24, 6, 16)
+    assert store.num_samples("train") > 24 and store.num_samples("val") > 16
+    assert budget.passes == 2.0 and "max_steps 6 x batch 8 / epochs 2" in budget.why
+    rows = sample_indices(cfg, budget, "train", 0)
+    build_cache(cfg, 1, log=quiet)
+    assert refresh_cache(cfg, 2, log=quiet)["action"] == "refreshed"
+    ids = {}
+    for b in (1, 2):
+        for p in plan_caches(cfg, b, create=False):
+            c = open_cache(cfg.cache.root, p.fingerprint)
+            ids[b, p.split] = c.read_labels(0, c.num_samples)[1].numpy()
+    assert np.array_equal(np.sort(ids[1, "train"]), rows)
+    assert np.array_equal(ids[1, "train"], ids[2, "train"])  # refresh keeps rows and order
+    assert np.array_equal(ids[2, "val"], np.arange(16))
+    v0 = Visit(cfg, VisitSpec(block=0), device=torch.device("cpu"))
+    assert np.array_equal(np.sort(v0.batches.rows), rows) and v0.tc.max_steps == 6
+    # a budget that is not the old rule's gets its own fingerprint; the old rule keeps its own
+    legacy = {p.split: p.fingerprint for p in plan_caches(tiny_run(), 1, create=False)}
+    assert (
+        legacy["train"]
+        != {p.split: p.fingerprint for p in plan_caches(cfg, 1, create=False)}["train"]
+    )

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.report import PLOTS, read_metrics, run_report
+from pipelines.report import PLOTS, run_report
+from pipelines.report_data import read_metrics
 from preinfer.config import load_config
 from tests.pipeline_fixtures import quiet
 

@@ -57,7 +57,7 @@ def _cli(run_dir, env_extra=None):
     args = [
         sys.executable,
         "-m",
-        "preinfer.cli",
+        "pipelines.cli",
         "bcd",
         "--config",
         "configs/demo.yaml",

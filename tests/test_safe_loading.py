@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ConfigError
 from pipelines.cache_cli import check_fingerprint
-from preinfer.cli import main
-from preinfer.confload import ConfigError
+from pipelines.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ("preinfer", "pipelines", "storage", "bench")
@@ -235,7 +235,9 @@ def test_checkpoint_block_files_cannot_point_outside_the_checkpoint(tmp_path):
     would be read, and, on the next commit of that block, deleted (the old file of a commit is
     unlinked). Opening such a checkpoint is refused."""
     from conftest import tiny_model_config
-    from preinfer.checkpoint import INDEX, Checkpoint, CheckpointError, init_checkpoint
+    from preinfer.checkpoint import Checkpoint
+    from preinfer.checkpoint_format import INDEX, CheckpointError
+    from preinfer.checkpoint_init import init_checkpoint
 
     ck = init_checkpoint(tiny_model_config("gpt2"), 2, tmp_path / "ck")
     other = tmp_path / "other"

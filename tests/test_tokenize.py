@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
+from core.config import ConfigError
 from pipelines.tokenize import run_tokenize
 from preinfer.config import load_config
-from preinfer.confload import ConfigError
 from preinfer.tokenization import is_val, iter_documents
 from storage.tokens import TokenStore, TokenStoreError
 

@@ -203,7 +203,7 @@ COMMANDS = {
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input: printed as one clear line, exit code 2."""
-    from preinfer.confload import ConfigError
+    from core.config import ConfigError
     from storage.tokens import TokenStoreError
 
     errs: list[type[BaseException]] = [ConfigError, TokenStoreError, FileNotFoundError]

@@ -1,0 +1,306 @@
+"""Cache identity: which rows a boundary cache holds, its fingerprint and its meta.
+
+One (round, boundary) of a run caches exactly the rows its visit reads (`visit_budget`): a
+per-(seed, round) sample of the train split sized by train.epochs, in a seeded row order that
+every boundary of the round shares (so a refresh maps row i of boundary K-1 to row i of K), and
+the val rows the in-visit evaluations read. `plan_caches` turns that into fingerprints and the
+shards still missing; the trainer, the rotation and the Ray stage all ask it, never each other.
+Also the `preinfer:` config section (the library reads sample_fraction, compute_dtype and
+micro_batch; the Ray stage the rest).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from core.config import ConfigError
+from core.fingerprint import cache_fingerprint
+from preinfer.checkpoint import Checkpoint
+from preinfer.device import ComputeChoice, compute_dtype, compute_dtype_key
+from storage import fs
+from storage.cache import CacheWriter
+from storage.layout import is_complete
+from storage.tokens import TokenStore
+
+SPLITS = ("train", "val")
+
+
+@dataclass(kw_only=True)
+class PreinferConfig:
+    actors: int = 2
+    """Size of the Ray actor pool running the prefix."""
+    cpus_per_actor: float = 0.5
+    """CPUs each actor asks Ray for when no GPU is present (fractional keeps the read stage alive)."""
+    gpus_per_actor: float = 1.0
+    """GPUs each actor asks for when GPUs exist."""
+    micro_batch: int = 16
+    """Samples per forward call inside an actor."""
+    executor: Literal["auto", "local", "ray"] = "auto"
+    """Where the prefix runs: local = this process; ray = an actor pool; auto = ray for a Ray cluster job (RAY_ADDRESS) or several GPUs, else local."""
+    malloc_mmap_threshold_mb: float = 4.0
+    """glibc mmap threshold (MiB) a worker process pins while it loads weights (32 MiB for compute), so freed weights leave RSS; 0 = allocator untouched."""
+    malloc_arenas: int = 2
+    """glibc malloc arenas of a worker process (MALLOC_ARENA_MAX; fewer = a steadier peak); 0 = glibc's default."""
+    shards_per_task: int = 2
+    """Cache shards per worker call (a call pipelines read, compute and write of its shards)."""
+    sample_fraction: float = 1.0
+    """Fraction of train samples cached per round (deterministic per seed and round; part of the fingerprint)."""
+    compute_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Dtype the prefix computes in; auto = the cache dtype where the device runs it natively
+    (CUDA, AVX512-BF16/AMX CPUs), else fp32 rounded to the cache dtype at each block boundary."""
+    max_restarts: int = 2
+    """How often a dead actor is restarted."""
+    max_task_retries: int = -1
+    """How often a failed shard task is retried; -1: while its actor lives or is restarted (so
+    within max_restarts). A lost node fails its in-flight tasks fast and repeatedly ("actor
+    unavailable") until Ray declares it dead: a small bound is spent in that second."""
+
+    def __post_init__(self):
+        for name in ("actors", "micro_batch", "shards_per_task"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"preinfer.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.sample_fraction <= 1.0:
+            raise ConfigError(
+                f"preinfer.sample_fraction must be in (0, 1], got {self.sample_fraction}"
+            )
+        if self.malloc_mmap_threshold_mb < 0 or self.malloc_arenas < 0:
+            raise ConfigError(
+                "preinfer.malloc_mmap_threshold_mb and preinfer.malloc_arenas must be >= 0 "
+                "(0 = glibc's default)"
+            )
+        if self.cpus_per_actor <= 0:
+            raise ConfigError(f"preinfer.cpus_per_actor must be > 0, got {self.cpus_per_actor}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"preinfer.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.max_task_retries < -1:
+            raise ConfigError(
+                f"preinfer.max_task_retries must be >= 0, or -1 (unbounded), got "
+                f"{self.max_task_retries}"
+            )
+
+
+@dataclass(frozen=True)
+class VisitBudget:
+    """What one bcd visit of a round reads, decided once from the config and the token store."""
+
+    rows: int
+    """Train rows the visit reads (and boundary caches hold), per (seed, round)."""
+    steps: int
+    """Optimizer steps of the visit."""
+    val_rows: int
+    """Val rows its evaluations read (the first ones: evaluation reads val in order)."""
+    n_train: int
+    n_val: int
+    batch_size: int
+    why: str
+    """One line: how rows and steps were chosen."""
+
+    @property
+    def passes(self) -> float:
+        """Passes over the visit's rows that its steps make."""
+        return self.steps * self.batch_size / max(self.rows, 1)
+
+
+def visit_budget(cfg, n_train: int, n_val: int) -> VisitBudget:
+    """The one rule for a visit's rows and steps.
+
+    train.epochs = E: rows R = min(N_train x sample_fraction, max_steps x batch / E) (at least
+    one batch), steps = min(max_steps, ceil(E x R / batch)): every cached row is read E times,
+    and a step cap below one pass shrinks the rows, never the passes. train.epochs = null: every
+    sampled row (N_train x sample_fraction) and max_steps steps (rows read any number of times,
+    or never). Val: the first eval_batches x batch rows (all of val when eval_batches = 0).
+    """
+    tc, B = cfg.train, cfg.train.batch_size
+    cap = max(1, round(n_train * cfg.preinfer.sample_fraction))
+    if tc.epochs is None:
+        rows, steps = cap, tc.max_steps
+        why = f"train.epochs=null: every sampled row ({rows} of {n_train}), {steps} steps"
+    else:
+        want = max(B, math.floor(tc.max_steps * B / tc.epochs))
+        rows = min(cap, want)
+        steps = min(tc.max_steps, math.ceil(tc.epochs * rows / B))
+        limit = (
+            f"max_steps {tc.max_steps} x batch {B} / epochs {tc.epochs:g}"
+            if want < cap
+            else f"{n_train} train rows x sample_fraction {cfg.preinfer.sample_fraction:g}"
+        )
+        why = f"{rows} of {n_train} train rows ({limit}), {steps} steps"
+    val_rows = n_val if not tc.eval_batches else min(n_val, tc.eval_batches * B)
+    why += f"; {val_rows} of {n_val} val rows" + (
+        f" (eval_batches {tc.eval_batches} x batch {B})" if val_rows < n_val else ""
+    )
+    return VisitBudget(rows=rows, steps=steps, val_rows=val_rows, n_train=n_train, n_val=n_val,
+                       batch_size=B, why=why)  # fmt: skip
+
+
+def store_budget(cfg, store: TokenStore) -> VisitBudget:
+    return visit_budget(cfg, store.num_samples("train"), store.num_samples("val"))
+
+
+def sample_indices(cfg, budget: VisitBudget, split: str, round_: int) -> np.ndarray:
+    """Token-store rows of (split, round) that the visit reads, ascending: the first val_rows of
+    val; a deterministic per-(seed, round) sample of budget.rows train rows."""
+    if split == "val":
+        return np.arange(budget.val_rows)
+    n, k = budget.n_train, budget.rows
+    if k >= n:
+        return np.arange(n)
+    rng = np.random.default_rng([cfg.train.seed, round_, 7919])
+    return np.sort(rng.choice(n, size=k, replace=False))
+
+
+def row_order(cfg, split: str, round_: int, n: int) -> np.ndarray:
+    """Permutation of the split's sampled rows into cache row order.
+
+    The token store packs documents in order, so rows next to each other come from the same
+    or neighbouring documents. Train caches store their rows in a seeded random order, so a
+    shard (and a batch drawn from a one-shard shuffle buffer) mixes the whole corpus: a
+    document-ordered cache trains measurably worse (docs/quality.md, 'Cache batch order').
+    Val keeps token order. Every boundary of one (seed, round) shares the order, so refresh
+    maps row i of boundary K-1 to row i of boundary K.
+    """
+    if split == "val":
+        return np.arange(n)
+    return np.random.default_rng([cfg.train.seed, round_, 104729]).permutation(n)
+
+
+def sampling_spec(cfg, budget: VisitBudget, split: str, round_: int) -> dict:
+    """The fingerprint's record of which rows: as before train.epochs existed where the rows
+    are the ones that rule gave (those caches keep their fingerprints), plus `rows` otherwise."""
+    if split == "val":
+        rows = {"rows": budget.val_rows} if budget.val_rows < budget.n_val else {}
+        return {"fraction": 1.0, **rows}
+    order = {"order": "shuffled", "order_seed": [cfg.train.seed, round_]}
+    frac = cfg.preinfer.sample_fraction
+    legacy = budget.n_train if frac >= 1.0 else max(1, round(budget.n_train * frac))
+    rows = {"rows": budget.rows} if budget.rows != legacy else {}
+    if frac >= 1.0 and not rows:
+        return {"fraction": 1.0, **order}
+    return {"fraction": frac, "seed": cfg.train.seed, "round": round_, **order, **rows}
+
+
+def codec_spec(cfg) -> dict:
+    c = cfg.cache
+    return {"codec": c.codec, "shuffle": c.shuffle, "level": c.level, "shard_mb": c.shard_mb}
+
+
+def compute_choice(cfg) -> ComputeChoice:
+    """The dtype the prefix computes in for this config on this machine (see compute_dtype)."""
+    return compute_dtype(cfg.preinfer.compute_dtype, cfg.cache.dtype, cfg.run.device)
+
+
+@dataclass(kw_only=True)
+class CachePlan:
+    """One cache to produce: which rows, which fingerprint, which shards are missing."""
+
+    split: str
+    fingerprint: str
+    indices: np.ndarray
+    """(N,) token-store rows of this split that the cache holds, in cache row order."""
+    complete: bool
+    missing: list[int]
+
+
+@dataclass
+class Sources:
+    """The checkpoint and token store a plan reads, opened once per rotation step."""
+
+    ckpt: Checkpoint
+    store: TokenStore
+    budget: VisitBudget
+
+    @classmethod
+    def open(cls, cfg) -> Sources:
+        store = TokenStore(cfg.data.out_dir)
+        return cls(Checkpoint.open(cfg.run.checkpoint), store, store_budget(cfg, store))
+
+
+def fingerprint_for(cfg, src: Sources, block: int, split: str, round_: int) -> str:
+    return cache_fingerprint(
+        tokens=src.store.fingerprint,
+        split=split,
+        prefix=src.ckpt.prefix_hash(block),
+        boundary=block,
+        model=src.ckpt.model_config_dict,
+        dtype=cfg.cache.dtype,
+        codec=codec_spec(cfg),
+        sampling=sampling_spec(cfg, src.budget, split, round_),
+        compute=compute_dtype_key(compute_choice(cfg), cfg.cache.dtype),
+    )
+
+
+def cache_meta(cfg, src: Sources, block: int, split: str, round_: int) -> dict:
+    return {
+        "boundary": block,
+        "split": split,
+        "round": round_,
+        "tokens": src.store.fingerprint,
+        "prefix": src.ckpt.prefix_hash(block),
+        "model": src.ckpt.model_config_dict,
+        "sampling": sampling_spec(cfg, src.budget, split, round_),
+        "budget": src.budget.why,
+        "compute_dtype": compute_choice(cfg).compute,
+        "config": cfg.to_dict(),
+        "checkpoint": str(fs.path(cfg.run.checkpoint).resolve()),  # a URL stays a URL
+    }
+
+
+def plan_caches(
+    cfg,
+    block: int,
+    round_: int = 0,
+    *,
+    create: bool = True,
+    verify: bool = False,
+    src: Sources | None = None,
+) -> list[CachePlan]:
+    """Fingerprints and missing shards of the train and val caches at boundary `block`.
+
+    create: open (or create) the caches' writers, so `missing` lists the shards to compute;
+    verify: recompute the checksums of a complete cache; shards that fail are planned again
+    (a repair rewrites exactly those, then the manifest). src: the checkpoint and token store,
+    when the caller has them open.
+    """
+    src = src or Sources.open(cfg)
+    if not 1 <= block < src.ckpt.num_blocks:
+        raise ConfigError(
+            f"--block {block}: a cache exists only for boundaries 1..{src.ckpt.num_blocks - 1} "
+            f"(block 0 trains from tokens; the checkpoint has {src.ckpt.num_blocks} blocks)"
+        )
+    plans = []
+    for split in SPLITS:
+        fp = fingerprint_for(cfg, src, block, split, round_)
+        sorted_idx = sample_indices(cfg, src.budget, split, round_)  # ascending
+        order = row_order(cfg, split, round_, len(sorted_idx))
+        idx = sorted_idx[order]
+        if is_complete(cfg.cache.root, fp):
+            bad = CacheWriter.open(cfg.cache.root, fp).missing_shards(verify=True) if verify else []
+            plans.append(
+                CachePlan(split=split, fingerprint=fp, indices=idx, complete=not bad, missing=bad)
+            )
+            continue
+        missing: list[int] = []
+        if create:
+            rows = src.store.read_indices(split, sorted_idx)[order]  # (N, S+1) int32, row order
+            writer = CacheWriter.create(
+                cfg.cache.root,
+                fp,
+                samples={
+                    "sample_id": idx.astype(np.int64),
+                    "input_ids": rows[:, :-1],
+                    "labels": rows[:, 1:],
+                },
+                seq_len=src.store.seq_len,
+                hidden_size=src.ckpt.hidden_size,
+                cache_cfg=cfg.cache,
+                meta=cache_meta(cfg, src, block, split, round_),
+            )
+            missing = writer.missing_shards()
+        plans.append(
+            CachePlan(split=split, fingerprint=fp, indices=idx, complete=False, missing=missing)
+        )
+    return plans
