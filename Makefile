@@ -65,10 +65,10 @@ plan: $(STAMP)
 	$(CLI) plan --config $(CONFIG) $(SETARGS)
 
 study: $(STAMP)
-	$(PY) bench/quality.py $(if $(QUICK),--quick)
+	$(PY) -m bench.quality $(if $(QUICK),--quick)
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
 
 report: $(STAMP)
 	$(CLI) report --config $(CONFIG) $(SETARGS)

@@ -1,6 +1,6 @@
 """Activation cache I/O benchmark: throughput vs plain files, bytes/value per codec, lossy error.
 
-    python bench/cache_io.py [--hidden a.npy [b.npy ...] | --synthetic]
+    python -m bench.cache_io [--hidden a.npy [b.npy ...] | --synthetic]
                              [--n 512 --seq 128 --hidden-size 384] [--shard-mb 16 4]
                              [--repeats 5] [--skip-io] [--skip-codecs] [--out results.json]
 
@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,11 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from storage.cache import CacheWriter  # noqa: E402
-from storage.config import CacheConfig  # noqa: E402
-from storage.reader import open_cache  # noqa: E402
+from storage.cache import CacheWriter
+from storage.config import CacheConfig
+from storage.reader import open_cache
 
 DEFAULT = ("bf16", "blosc-zstd", "byte", 3)  # storage/config.py's default
 GRID = [
@@ -303,8 +300,7 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
 
 def default_sources(samples: int) -> list[tuple[str, Path]]:
     """(name, .npy) of the MiniLM and random-init GPT-2 states (generated once, under /tmp)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import hidden_states  # bench/hidden_states.py
+    from bench import hidden_states
 
     names = {"minilm": "MiniLM-L6 (pretrained)", "gpt2": "GPT-2 demo (random init)"}
     return [

@@ -1,6 +1,6 @@
 """Real hidden states for the cache codec benchmark: .npy float32 [N, S, H] at a block boundary.
 
-    python bench/hidden_states.py [--model minilm gpt2] [--samples 256] [--docs 40]
+    python -m bench.hidden_states [--model minilm gpt2] [--samples 256] [--docs 40]
                                   [--boundary K] [--out /tmp/preinfer_hidden]
 
 minilm: the pretrained MiniLM-L6 (configs/minilm.yaml, its own WordPiece tokenizer) over the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = {"minilm": "configs/minilm.yaml", "gpt2": "configs/demo.yaml"}
 DEFAULT_OUT = Path("/tmp/preinfer_hidden")

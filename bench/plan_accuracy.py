@@ -1,8 +1,8 @@
 """Planner accuracy: measured peak memory of the real trainer and pre-inference worker on CPU
 against preinfer.memory's estimate, as a markdown table.
 
-    python bench/plan_accuracy.py [--configs demo gpt2-small] [--json out.json]
-    python bench/plan_accuracy.py --calibrate   # prints the CPU constants of preinfer.memory
+    python -m bench.plan_accuracy [--configs demo gpt2-small] [--json out.json]
+    python -m bench.plan_accuracy --calibrate   # prints the CPU constants of preinfer.memory
 
 Each arm runs in a fresh subprocess: it imports everything first (including what torch and
 transformers import lazily on first use: torch._dynamo, pulled in by the first optimizer step,
@@ -12,6 +12,15 @@ trainer (2 optimizer steps, so the second backward holds the optimizer state, th
 end-of-visit eval and commit), `PrefixWorker(...)` over every shard for pre-inference — and
 reports VmHWM - baseline: the peak RSS growth over the process's baseline after imports.
 Each arm runs --repeats times (default 3), each in a fresh process; its row is the median.
+
+Per-phase peaks (`phases` in the JSON): the high-water mark is read and reset at the phase
+boundaries the product's explicit hooks report, nothing is patched. Trainer: `load` (the visit
+set up: blocks loaded, data opened; VisitHooks.batches), `backward` (forward + backward + clip
+of each step, up to the optimizer step: torch's global optimizer step pre-hook), `step` (its
+post-hook), `eval` (VisitHooks.on_eval), `commit` (the rest of the visit). Pre-inference:
+`load`, `input` and `compute` (PrefixWorker's on_phase), `encode` (the rest of each worker
+call: the shard's encode + write; apart from compute only with one shard per call, as
+--calibrate runs), `other` (before the worker is built).
 
 The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same config with
 target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) come from
@@ -38,7 +47,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 COMMON = ["train.workers=0", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
           "train.checkpoint_every=0", "train.warmup_steps=0", "run.device=cpu",
@@ -78,7 +86,7 @@ def child(args) -> None:
     from preinfer.config import config_from_dict
     from preinfer.device import resolve_device
     from preinfer.modeling import build_model
-    from preinfer.visit import Visit
+    from preinfer.visit import Visit, VisitHooks
     from storage import reader  # noqa: F401
 
     cfg = config_from_dict(json.loads(Path(args.cfg).read_text()))
@@ -102,60 +110,44 @@ def child(args) -> None:
     base = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     phases: dict[str, int] = {}
+
+    def mark(name: str) -> None:
+        """Phase `name` ends now: its peak is the high-water mark since the last mark."""
+        phases[name] = max(phases.get(name, 0), _status("VmHWM") - base)
+        Path("/proc/self/clear_refs").write_text("5")
+
     t0 = time.perf_counter()
-    if args.arm == "trainer":  # per-phase peaks too: where the estimate's phases really peak
-        import torch
+    if args.arm == "trainer":
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
-        from preinfer.checkpoint import Checkpoint
+        def set_up(visit, default):  # VisitHooks.batches: blocks loaded, data opened
+            mark("load")
+            return default
 
-        for cls, attr, name in [(Checkpoint, "load", "load"), (Visit, "_data", "data"),
-                                (torch.Tensor, "backward", "backward"),
-                                (Visit, "evaluate", "eval"), (Visit, "commit", "commit"),
-                                *[(o, "step", "step") for o in (torch.optim.AdamW,
-                                  torch.optim.Adam, torch.optim.SGD)]]:  # fmt: skip
-            _phase(cls, attr, name, phases, base)
-        Visit(cfg, spec, device=resolve_device("cpu")).run(log=lambda *a, **k: None)
-    else:  # per-phase peaks (the calibration separates compute from encode with them)
-        from storage.cache import CacheWriter
-
-        _phase(PrefixWorker, "__init__", "load", phases, base)
-        _phase(PrefixWorker, "_compute", "compute", phases, base)
-        _phase(CacheWriter, "write_shard", "encode", phases, base)
+        register_optimizer_step_pre_hook(lambda *a: mark("backward"))
+        register_optimizer_step_post_hook(lambda *a: mark("step"))
+        hooks = VisitHooks(on_eval=lambda *a: mark("eval"), batches=set_up)
+        Visit(cfg, spec, device=resolve_device("cpu"), hooks=hooks).run(log=lambda *a, **k: None)
+        mark("commit")
+    else:
         from pipelines.cache_build import shards_per_task
 
         choice = compute_choice(cfg)
-        worker = PrefixWorker(
-            cfg.to_dict(), args.block, first, sources, choice.compute, choice.round_to
-        )
+        mark("other")
+        worker = PrefixWorker(cfg.to_dict(), args.block, first, sources, choice.compute,
+                              choice.round_to, on_phase=mark)  # fmt: skip
         pool = min(cfg.preinfer.actors, len(items))
-        k = shards_per_task(
-            cfg, len(items), pool
-        )  # as the actor pool's calls get them (_run_workers)
+        k = shards_per_task(cfg, len(items), pool)  # as the actor pool's calls get them
         for j in range(0, len(items), k):
             group = items[j : j + k]
             worker({"fingerprint": [fp for fp, _ in group], "shard": [s for _, s in group]})
+            mark("encode")
     peak = max([_status("VmHWM") - base, *phases.values()])
     print(json.dumps({"growth": peak, "baseline": base, "phases": phases,
                       "seconds": time.perf_counter() - t0}))  # fmt: skip
-
-
-def _phase(cls, attr: str, name: str, peaks: dict, base: int) -> None:
-    """Wrap cls.attr so the RSS high-water mark is read and reset around each call: `peaks`
-    gets the peak inside the calls (name) and between them ("other")."""
-    f = cls.__dict__[attr] if attr in cls.__dict__ else getattr(cls, attr)
-
-    def read(key):
-        peaks[key] = max(peaks.get(key, 0), _status("VmHWM") - base)
-        Path("/proc/self/clear_refs").write_text("5")
-
-    def wrapped(*a, **k):
-        read("other")
-        try:
-            return f(*a, **k)
-        finally:
-            read(name)
-
-    setattr(cls, attr, wrapped)
 
 
 def _run_child(cfg_path: Path, *extra: str, repeats: int = 1) -> dict:
@@ -173,7 +165,8 @@ def _run_child(cfg_path: Path, *extra: str, repeats: int = 1) -> dict:
     env = {**os.environ, **(actor_env(arm_cfg) if "preinfer" in extra else {})}
     runs = []
     for _ in range(repeats):
-        cmd = [sys.executable, __file__, "--child", "--cfg", str(cfg_path), *extra]
+        cmd = [sys.executable, "-m", "bench.plan_accuracy", "--child", "--cfg", str(cfg_path)]
+        cmd += extra
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if out.returncode:
             raise RuntimeError(f"arm {extra} failed:\n{out.stderr[-3000:]}")
@@ -248,12 +241,12 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
     """Set up one config under `work`, run its arms (all, preinfer or trainer: the trainer arms
     still build the caches they read) `repeats` times each, return rows with estimate and
     median measurement."""
-    from pipelines.cache_build import _finish
     from pipelines.init import run_init
     from preinfer import memory as plan
     from preinfer.cache_identity import plan_caches
     from preinfer.checkpoint import Checkpoint
     from preinfer.config import load_config
+    from storage.cache import CacheWriter
 
     path, over, n_tr, n_val = SETS[name]
     over = [*COMMON, *CALIBRATE_OVERRIDES, *over, f"run.dir={work / name}"]
@@ -297,7 +290,8 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
             "--block",
             str(k),
         )
-        _finish(cfg, plans)
+        for q in plans:  # finalize: every shard checked, manifest written
+            CacheWriter.open(cfg.cache.root, q.fingerprint).finalize()
     # refresh of the last boundary, into a second root
     if M > 2 and name != "calibrate" and arms != "trainer":
         import copy

@@ -1,6 +1,6 @@
 """Pre-inference throughput: `cache build` end to end vs the bare forward of the same prefix.
 
-    .venv/bin/python bench/preinfer_throughput.py [--documents 600] [--repeats 2]
+    .venv/bin/python -m bench.preinfer_throughput [--documents 600] [--repeats 2]
 
 In one run on one machine, over the demo model cut into one block per layer:
 - tokens/s of `cache build --block K` (Ray already started; actor start-up, token reads,
@@ -24,24 +24,21 @@ import hashlib
 import json
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipelines.cache_build import build_cache, refresh_cache  # noqa: E402
-from pipelines.init import run_init  # noqa: E402
-from pipelines.ray_env import ensure_ray  # noqa: E402
-from pipelines.tokenize import run_tokenize  # noqa: E402
-from preinfer.adapters import forward_blocks  # noqa: E402
+from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.init import run_init
+from pipelines.ray_env import ensure_ray
+from pipelines.tokenize import run_tokenize
+from preinfer.adapters import forward_blocks
 from preinfer.cache_identity import plan_caches
-from preinfer.checkpoint import Checkpoint  # noqa: E402
-from preinfer.config import load_config  # noqa: E402
-from preinfer.device import torch_dtype  # noqa: E402
-from storage.tokens import TokenStore  # noqa: E402
+from preinfer.checkpoint import Checkpoint
+from preinfer.config import load_config
+from preinfer.device import torch_dtype
+from storage.tokens import TokenStore
 
 
 def quiet(*a, **k):

@@ -1,9 +1,14 @@
 """Quality study: full-parameter training vs BCD from the cache vs BCD-recompute, same data.
 
-    python bench/quality.py            # the default study (`make study`): <= 60 min on 2 CPUs
-    python bench/quality.py --quick    # CI-scale: one seed, one tiny model, a few minutes
-    python bench/quality.py --lr-sweep # the learning-rate tuning the LR constants come from
-    python bench/quality.py --from-json bench/results/quality-X.json  # re-render docs only
+    python -m bench.quality             # the default study (`make study`): <= 60 min on 2 CPUs
+    python -m bench.quality --quick     # CI-scale: one seed, one tiny model, a few minutes
+    python -m bench.quality --lr-sweep  # the learning-rate tuning the LR constants come from
+    python -m bench.quality --from-json bench/results/quality-X.json  # re-render docs only
+
+(from the repo root). The study's pieces: bench/quality_arms.py (constants, Scale, Arm,
+configs), quality_train.py (training arms in this process, metrics parsing, the side studies),
+quality_probe.py (memory probes), quality_analysis.py (pure analysis), quality_figures.py and
+quality_markdown.py (docs/).
 
 Arms (per model and seed; all arms of a seed start from the same init checkpoint and read the
 same token store):
@@ -38,57 +43,25 @@ import copy
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python bench/quality.py` from anywhere
-    sys.path.insert(0, str(ROOT))
-
-# The study lives in bench/quality_*.py: quality_arms (constants, Scale, Arm, configs),
-# quality_train (training arms in this process, metrics parsing, the side studies),
-# quality_probe (memory probes), quality_analysis (pure analysis), quality_figures and
-# quality_markdown (docs/). Their names are re-exported here: tests and `--probe` use them.
-from bench.quality_analysis import (  # noqa: E402, F401
-    analyse,
-    at_step,
-    first_reach,
-    mean_std,
-)
-from bench.quality_arms import (  # noqa: E402, F401
-    DEFAULT,
-    GPT2,
-    LLAMA,
-    LR,
-    QUICK,
-    SWEEP_LRS,
-    TARGET_CLOSE,
-    Arm,
-    Scale,
-    arm_cfg,
-    first_seeds,
-    make_cfg,
-    overrides,
-    plan_arms,
-)
-from bench.quality_figures import ARM_STYLE, plot_curves, plot_sgd, plot_sweep  # noqa: E402, F401
-from bench.quality_markdown import findings, write_markdown  # noqa: E402, F401
-from bench.quality_probe import probe_main, probe_specs, run_probes  # noqa: E402, F401
-from bench.quality_train import (  # noqa: E402, F401
-    EvalTimer,
-    GlobalOrderCacheBatches,
-    _cache_order,
-    _set_threads,
-    _torch_threads,
+from bench.quality_analysis import analyse
+from bench.quality_arms import DEFAULT, LR, QUICK, Scale, plan_arms
+from bench.quality_figures import plot_curves, plot_sgd, plot_sweep
+from bench.quality_markdown import write_markdown
+from bench.quality_probe import probe_main, probe_specs, run_probes
+from bench.quality_train import (
     diagnose_order,
-    init_dir,
     lr_sweep,
-    parse_metrics,
     prepare,
     run_arm,
+    set_threads,
+    torch_threads,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
@@ -110,14 +83,12 @@ def run_study(scale: Scale, name: str, work: Path, docs: Path, results_dir: Path
     docs.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)
     arms = plan_arms(scale)
-    _set_threads(scale)
+    set_threads(scale)
     log(f"quality study ({name}): {len(arms)} training arms, work dir {work}")
     prep = prepare(scale, arms, work, log=log)
     t0 = time.perf_counter()
     ensure_ray()
     ray_s = time.perf_counter() - t0
-    timer = EvalTimer()
-    timer.install()
     recs = []
     for i, arm in enumerate(arms):
         log(
@@ -125,7 +96,7 @@ def run_study(scale: Scale, name: str, work: Path, docs: Path, results_dir: Path
             f"t={(time.perf_counter() - t_study) / 60:.1f} min"
         )
         try:
-            recs.append(run_arm(scale, arm, work, timer, log=log))
+            recs.append(run_arm(scale, arm, work, log=log))
         except Exception as e:  # a failed arm is recorded, the study goes on
             log(f"  {arm.id} FAILED: {type(e).__name__}: {e}")
             recs.append({**asdict(arm), "id": arm.id, "error": f"{type(e).__name__}: {e}"})
@@ -137,7 +108,7 @@ def run_study(scale: Scale, name: str, work: Path, docs: Path, results_dir: Path
         if a.keep_caches:
             shutil.rmtree(work / "arms" / a.id / "cache", ignore_errors=True)
     results = {
-        "command": "python bench/quality.py" + (" --quick" if name == "quick" else ""),
+        "command": "python -m bench.quality" + (" --quick" if name == "quick" else ""),
         "scale_name": name,
         "scale": asdict(scale),
         "lr": LR,
@@ -146,7 +117,7 @@ def run_study(scale: Scale, name: str, work: Path, docs: Path, results_dir: Path
             "cpus": os.cpu_count(),
             "loadavg_start": load_start,
             "loadavg_end": os.getloadavg()[0],
-            "torch_threads": _torch_threads(),
+            "torch_threads": torch_threads(),
         },
         "prep": prep,
         "ray_start_s": ray_s,
@@ -276,7 +247,7 @@ def _side_study(flag, tag, fn, scale, work, results_dir, quick, row_line) -> dic
     t0 = time.perf_counter()
     res = fn(replace(scale), work, log=print)
     res.update(
-        command=f"python bench/quality.py {flag}" + (" --quick" if quick else ""),
+        command=f"python -m bench.quality {flag}" + (" --quick" if quick else ""),
         started=time.strftime("%Y-%m-%d %H:%M:%S"),
         seconds=time.perf_counter() - t0,
     )

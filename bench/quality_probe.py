@@ -1,9 +1,9 @@
 """The quality study's memory probes (bench/quality.py is the entry point).
 
 Each (arm kind, block) is re-run for a few steps from its arm's final checkpoint in a FRESH
-subprocess (`bench/quality.py --probe <spec>`, which calls `probe_main`): its peak RSS growth
-over the post-import, post-warm-up baseline, next to the exact bytes of parameters + gradients
-+ optimizer state it holds. `probe_specs` lists the probes, `run_probes` runs them.
+subprocess (`python -m bench.quality --probe <spec>`, which calls `probe_main`): its peak RSS
+growth over the post-import, post-warm-up baseline, next to the exact bytes of parameters +
+gradients + optimizer state it holds. `probe_specs` lists the probes, `run_probes` runs them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.quality_arms import ROOT, Arm, Scale, arm_cfg, first_seeds
-from bench.quality_train import _set_threads
+from bench.quality_train import set_threads
 
 # ---------------------------------------------------------------------------------------------
 # Memory probes: each (arm kind, block) in a fresh subprocess
@@ -64,7 +64,8 @@ def run_probes(scale: Scale, specs: list[dict], work: Path, log=print) -> list:
     for s in specs:
         cmd = [
             sys.executable,
-            str(Path(__file__).resolve().with_name("quality.py")),  # its main runs probe_main
+            "-m",
+            "bench.quality",  # its main runs probe_main (cwd: the repo root)
             "--probe",
             json.dumps({**s, "scale": asdict(scale), "work": str(work)}),
         ]
@@ -111,7 +112,7 @@ def probe_main(spec: dict) -> dict:
     from preinfer.visit import Visit
 
     scale = Scale(**spec["scale"])
-    _set_threads(scale)
+    set_threads(scale)
     work = Path(spec["work"])
     mode, k = spec["mode"], spec["block"]
     arm = Arm(**spec["arm"])

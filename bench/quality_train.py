@@ -1,12 +1,12 @@
 """Training the quality study's arms in this process (bench/quality.py is the entry point).
 
 `prepare` tokenizes once and writes one init checkpoint per (model, seed, M); `run_arm` trains
-one arm with the pipeline's own run_bcd, timing every in-training evaluation (`EvalTimer`) so
-it can be subtracted, and evaluates the whole val split after each stop round; `parse_metrics`
-turns the run's metrics.jsonl into the eval curve, per-visit timing and the contention-robust
-clock. Also the two side studies that train arms: `diagnose_order` (the cache read in the
-reader's order vs a global order, `GlobalOrderCacheBatches`) and `lr_sweep`, and the trainer's
-torch thread setting.
+one arm with the pipeline's own run_bcd, timing every in-training evaluation through the visit
+hook `VisitHooks.on_eval` (`arm_hooks`) so it can be subtracted, and evaluates the whole val
+split after each stop round; `parse_metrics` turns the run's metrics.jsonl into the eval curve,
+per-visit timing and the contention-robust clock. Also the two side studies that train arms:
+`diagnose_order` (the cache read in the reader's order vs a global order: `VisitHooks.batches`
+= `global_order_batches`) and `lr_sweep`, and the trainer's torch thread setting.
 """
 
 from __future__ import annotations
@@ -26,30 +26,16 @@ from bench.quality_arms import LR, SWEEP_LRS, Arm, Scale, arm_cfg, make_cfg
 # Running one arm (in this process)
 
 
-class EvalTimer:
-    """Wraps Visit.evaluate so the study knows how long every in-training evaluation took."""
+def arm_hooks(eval_durations: list[float], *, global_order: bool = False):
+    """The visit hooks of one arm: every in-training evaluation's seconds are appended to
+    `eval_durations` (the arm's clock leaves them out); global_order: cache-fed visits read
+    their train cache through GlobalOrderCacheBatches (--diagnose-order)."""
+    from preinfer.visit import VisitHooks
 
-    def __init__(self):
-        self.durations: list[float] = []
-        self._installed = False
+    def on_eval(visit, step: int, val_loss: float, seconds: float) -> None:
+        eval_durations.append(seconds)
 
-    def install(self) -> None:
-        if self._installed:
-            return
-        from preinfer.visit import Visit
-
-        orig = Visit.evaluate
-        timer = self
-
-        def timed(visit_self):
-            t0 = time.perf_counter()
-            try:
-                return orig(visit_self)
-            finally:
-                timer.durations.append(time.perf_counter() - t0)
-
-        Visit.evaluate = timed
-        self._installed = True
+    return VisitHooks(on_eval=on_eval, batches=global_order_batches if global_order else None)
 
 
 def _quiet(*_a, **_k) -> None:
@@ -69,9 +55,7 @@ class GlobalOrderCacheBatches:
     the token store packs documents in order, so its batches come from a few neighbouring
     documents; this class isolates what that costs."""
 
-    def __init__(
-        self, cache, *, batch_size, seed, rank=0, world=1, shuffle=True, dtype=None, buffer_mb=None
-    ):
+    def __init__(self, cache, *, batch_size: int, seed: int, shuffle: bool = True):
         import torch
 
         self.hidden, self.labels, _ = cache.read_rows(0, cache.num_samples, torch.float32)
@@ -90,25 +74,15 @@ class GlobalOrderCacheBatches:
             yield self.hidden[idx], self.labels[idx]
 
 
-class _cache_order:
-    """Context: swap the trainer's cache reader for GlobalOrderCacheBatches while active."""
-
-    def __init__(self, active: bool):
-        self.active, self.saved = active, None
-
-    def __enter__(self):
-        if self.active:
-            import preinfer.visit as visit
-
-            self.saved, visit.CacheBatches = visit.CacheBatches, GlobalOrderCacheBatches
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            import preinfer.visit as visit
-
-            visit.CacheBatches = self.saved
-        return False
+def global_order_batches(visit, default):
+    """VisitHooks.batches of --diagnose-order: a cache-fed visit trains on its train cache in
+    a global order (same batch size, seed and shuffle as the reader it replaces); a token-fed
+    visit keeps its default batches."""
+    if not visit.from_cache:
+        return default
+    return GlobalOrderCacheBatches(
+        visit.train_cache, batch_size=default.batch_size, seed=default.seed, shuffle=default.shuffle
+    )
 
 
 def diagnose_order(scale: Scale, work: Path, log=print) -> dict:
@@ -116,10 +90,8 @@ def diagnose_order(scale: Scale, work: Path, log=print) -> dict:
     reads it vs the cache read in a global random order. Same init, same steps."""
     from pipelines.ray_env import ensure_ray
 
-    _set_threads(scale)
+    set_threads(scale)
     ensure_ray()
-    timer = EvalTimer()
-    timer.install()
     model, S, M = scale.models[-1], scale.steps_per_visit, scale.M
     arms = []
     for seed in scale.seeds:
@@ -132,7 +104,7 @@ def diagnose_order(scale: Scale, work: Path, log=print) -> dict:
     prepare(scale, arms, work, log=log)
     rows = []
     for a in arms:
-        rec = run_arm(scale, a, work, timer, log=log)
+        rec = run_arm(scale, a, work, log=log)
         rows.append(
             {
                 "model": a.model,
@@ -148,9 +120,9 @@ def diagnose_order(scale: Scale, work: Path, log=print) -> dict:
     return {"rows": rows}
 
 
-def run_arm(scale: Scale, arm: Arm, work: Path, timer: EvalTimer, log=print) -> dict:
-    from pipelines.evaluate import run_eval
-    from pipelines.rotate import run_bcd
+def run_arm(scale: Scale, arm: Arm, work: Path, log=print) -> dict:
+    from pipelines.bcd import run_bcd
+    from pipelines.eval import run_eval
 
     run_dir = work / "arms" / arm.id
     if run_dir.exists():
@@ -158,7 +130,8 @@ def run_arm(scale: Scale, arm: Arm, work: Path, timer: EvalTimer, log=print) -> 
     run_dir.mkdir(parents=True)
     _copy_checkpoint(init_dir(work, arm.model, arm.seed, arm.M), run_dir / "checkpoint")
     load0 = os.getloadavg()
-    timer.durations.clear()
+    eval_durs: list[float] = []  # every in-training evaluation's seconds, in order
+    hooks = arm_hooks(eval_durs, global_order=arm.variant == "global-order")
     stops = sorted({r for r in arm.stop_rounds if r < arm.rounds} | {arm.rounds})
     if arm.mode == "full":
         stops = [arm.rounds]
@@ -171,8 +144,7 @@ def run_arm(scale: Scale, arm: Arm, work: Path, timer: EvalTimer, log=print) -> 
         t0 = time.perf_counter()
         now = time.time()
         outside.append((last, now))
-        with _cache_order(arm.variant == "global-order"):
-            run_bcd(cfg, mode=arm.mode, log=_quiet)
+        run_bcd(cfg, mode=arm.mode, log=_quiet, hooks=hooks)
         wall += time.perf_counter() - t0
         last = time.time()
         ev = run_eval(cfg, max_batches=0, log=_quiet)  # whole val split, not timed
@@ -180,7 +152,7 @@ def run_arm(scale: Scale, arm: Arm, work: Path, timer: EvalTimer, log=print) -> 
         finals.append({"round": r, "step": step, "loss": ev["loss"], "ppl": ev["ppl"]})
     if not arm.keep_caches:  # bounded disk: the arm's last caches are not needed any more
         shutil.rmtree(run_dir / "cache", ignore_errors=True)
-    eval_s = sum(timer.durations)
+    eval_s = sum(eval_durs)
     rec = {
         **asdict(arm),
         "id": arm.id,
@@ -191,7 +163,7 @@ def run_arm(scale: Scale, arm: Arm, work: Path, timer: EvalTimer, log=print) -> 
         "loadavg": [load0[0], os.getloadavg()[0]],
         "final": finals,
     }
-    rec.update(parse_metrics(run_dir / "metrics.jsonl", t_start, list(timer.durations), outside))
+    rec.update(parse_metrics(run_dir / "metrics.jsonl", t_start, list(eval_durs), outside))
     rec["tokens_per_step"] = scale.batch_size * scale.seq_len
     for p in rec["curve"]:
         p["tokens"] = p["step"] * rec["tokens_per_step"]
@@ -310,7 +282,7 @@ def init_dir(work: Path, model: str, seed: int, M: int) -> Path:
 
 
 def prepare(scale: Scale, arms: list[Arm], work: Path, log=print) -> dict:
-    from pipelines.evaluate import run_eval
+    from pipelines.eval import run_eval
     from pipelines.init import run_init
     from pipelines.tokenize import run_tokenize
 
@@ -366,10 +338,8 @@ def lr_sweep(scale: Scale, work: Path, log=print) -> dict:
     BCD from the cache (the only place SGD is used)."""
     from pipelines.ray_env import ensure_ray
 
-    _set_threads(scale)
+    set_threads(scale)
     ensure_ray()
-    timer = EvalTimer()
-    timer.install()
     model = scale.models[0]
     S, M, R = max(4, scale.steps_per_visit * 2 // 3), scale.M, scale.full_rounds
     arms = [Arm(model, "full", 0, M, "adamw", lr, R, S, group="lr") for lr in SWEEP_LRS["adamw"]]
@@ -377,7 +347,7 @@ def lr_sweep(scale: Scale, work: Path, log=print) -> dict:
     prepare(scale, arms, work, log=log)
     rows = []
     for a in arms:
-        rec = run_arm(scale, a, work, timer, log=log)
+        rec = run_arm(scale, a, work, log=log)
         rows.append(
             {
                 "optimizer": a.optimizer,
@@ -391,14 +361,14 @@ def lr_sweep(scale: Scale, work: Path, log=print) -> dict:
     return {"rows": rows}
 
 
-def _set_threads(scale: Scale) -> None:
+def set_threads(scale: Scale) -> None:
     import torch
 
     if scale.torch_threads:
         torch.set_num_threads(scale.torch_threads)
 
 
-def _torch_threads() -> int:
+def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()

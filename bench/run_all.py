@@ -1,15 +1,18 @@
-"""`make bench`: run every benchmark script in bench/, collect the results, write a table.
+"""`make bench`: run every benchmark module in bench/, collect the results, write a table.
 
-    python bench/run_all.py                    # every script (its --quick form where it has one)
-    python bench/run_all.py --only cache_io trainer_step
-    python bench/run_all.py --skip quality --timeout 1800
+    python -m bench.run_all                    # every benchmark (its --quick form where it has one)
+    python -m bench.run_all --only cache_io trainer_step
+    python -m bench.run_all --skip quality --timeout 1800
 
-A benchmark is a script in bench/ with a top-level `main(argv)` that returns a dict. Each runs
-in its own fresh subprocess (so one script's memory, threads or Ray instance never touch
+(from the repo root). A benchmark is a module of the bench package with a top-level
+`main(argv)` that returns a dict (bench/harness.py and bench/__init__.py have none: not
+benchmarks). Each runs in its own fresh subprocess, imported as `bench.<name>` with the repo
+root as working directory (so one benchmark's memory, threads or Ray instance never touch
 another's), with `--quick` when its source declares that flag, else with its defaults. The
 dicts are collected into bench/results/<timestamp>.json and a markdown table
-bench/results/<timestamp>.md (the table README's results section shows). A script that fails,
-times out or returns something other than a dict is recorded as such; the others still run.
+bench/results/<timestamp>.md (the table README's results section shows). A benchmark that
+fails, times out or returns something other than a dict is recorded as such; the others still
+run.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 SELF = Path(__file__).resolve().name
 
-# Runs in the child: import the script as a module, call main, write what it returned.
+# Runs in the child (cwd: the directory holding the bench package): import the benchmark
+# module, call its main, write what it returned.
 _CHILD = r"""
-import importlib.util, inspect, json, math, os, sys, traceback
-path, out = sys.argv[1], os.environ["BENCH_RESULT_PATH"]
+import importlib, inspect, json, math, os, sys, traceback
+module, out = sys.argv[1], os.environ["BENCH_RESULT_PATH"]
 argv = sys.argv[2:]
-sys.argv = [path, *argv]
+sys.argv = [module, *argv]
 def clean(o):
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
@@ -46,10 +50,7 @@ def clean(o):
         return o
     return str(o)
 try:
-    spec = importlib.util.spec_from_file_location("bench_" + os.path.basename(path)[:-3], path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses, pickle, typing look the module up there
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module(module)
     takes_args = len(inspect.signature(mod.main).parameters) > 0
     res = mod.main(argv) if takes_args else mod.main()
     rec = {"returned": type(res).__name__, "result": clean(res) if isinstance(res, dict) else None}
@@ -66,15 +67,17 @@ with open(out, "w") as f:
 
 
 def discover(bench_dir: Path = BENCH) -> list[dict]:
-    """Scripts in bench_dir with a top-level `def main`, and whether they declare --quick."""
+    """Modules of the package bench_dir with a top-level `def main`, and whether they declare
+    --quick. Each record: name (the file's stem), module (`<package>.<name>`), path, quick."""
     found = []
     for path in sorted(bench_dir.glob("*.py")):
         if path.name in (SELF, "__init__.py") or path.name.startswith("_"):
             continue
+        rec = {"name": path.stem, "module": f"{bench_dir.name}.{path.stem}", "path": path}
         try:
             tree = ast.parse(path.read_text(), filename=str(path))
         except SyntaxError as e:
-            found.append({"name": path.stem, "path": path, "error": f"SyntaxError: {e}"})
+            found.append({**rec, "error": f"SyntaxError: {e}"})
             continue
         mains = [
             n
@@ -84,12 +87,12 @@ def discover(bench_dir: Path = BENCH) -> list[dict]:
         if not mains:
             continue
         quick = any(isinstance(n, ast.Constant) and n.value == "--quick" for n in ast.walk(tree))
-        found.append({"name": path.stem, "path": path, "quick": quick})
+        found.append({**rec, "quick": quick})
     return found
 
 
 def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool = True) -> dict:
-    """Run one script's main in a fresh subprocess; returns its record (never raises)."""
+    """Run one benchmark's main in a fresh subprocess; returns its record (never raises)."""
     name = script["name"]
     if "error" in script:
         return {"status": "failed", "seconds": 0.0, "argv": [], "error": script["error"]}
@@ -98,20 +101,15 @@ def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool =
     log_path = log_dir / f"{name}.log"
     out_path = log_dir / f"{name}.result.json"
     out_path.unlink(missing_ok=True)
-    env = {
-        **os.environ,
-        "BENCH_RESULT_PATH": str(out_path),
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
-        ),
-    }
-    cmd = [sys.executable, "-c", _CHILD, str(script["path"]), *argv]
+    env = {**os.environ, "BENCH_RESULT_PATH": str(out_path)}
+    cmd = [sys.executable, "-c", _CHILD, script["module"], *argv]
+    cwd = Path(script["path"]).parent.parent  # the repo root for bench/'s own benchmarks
     t0 = time.perf_counter()
     rec: dict = {"argv": argv, "log": _rel(log_path)}
     with open(log_path, "w") as logf:
         try:
             proc = subprocess.run(
-                cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout
+                cmd, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout
             )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
@@ -254,10 +252,10 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", default=None, help="run only these scripts (stems)")
-    ap.add_argument("--skip", nargs="+", default=[], help="skip these scripts (stems)")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds per script")
-    ap.add_argument("--no-quick", action="store_true", help="run every script with its defaults")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these benchmarks (names)")
+    ap.add_argument("--skip", nargs="+", default=[], help="skip these benchmarks (names)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per benchmark")
+    ap.add_argument("--no-quick", action="store_true", help="run every benchmark with its defaults")
     ap.add_argument("--results-dir", default=str(BENCH / "results"))
     ap.add_argument("--bench-dir", default=str(BENCH), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -271,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     results_dir = Path(args.results_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run = {
-        "command": "python bench/run_all.py" + (" " + " ".join(argv) if argv else ""),
+        "command": "python -m bench.run_all" + (" " + " ".join(argv) if argv else ""),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "commit": _commit(),
         "host": {

@@ -1,6 +1,6 @@
 """Trainer step for block K: from the cache vs recomputing the frozen prefix vs full training.
 
-    .venv/bin/python bench/trainer_step.py [--config configs/demo.yaml] [--repeats 7]
+    .venv/bin/python -m bench.trainer_step [--config configs/demo.yaml] [--repeats 7]
 
 For the last block and a middle block of the config's model, in one run on one machine:
 - step time of `bcd` (input batch read from a real boundary-K cache), `bcd-recompute`
@@ -28,16 +28,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from preinfer.adapters import forward_blocks  # noqa: E402
+from preinfer.adapters import forward_blocks
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_init import init_checkpoint
-from preinfer.config import load_config  # noqa: E402
-from preinfer.device import resolve_device  # noqa: E402
-from preinfer.loss import blocks_loss, mode_loss  # noqa: E402
+from preinfer.config import load_config
+from preinfer.device import resolve_device
+from preinfer.loss import blocks_loss, mode_loss
 from preinfer.partition import trainable_parameters
-from preinfer.trainer import (  # noqa: E402
+from preinfer.trainer import (
     CacheBatches,
     build_optimizer,
     current_memory_mb,
@@ -214,7 +212,8 @@ def measure_memory(args, arm: str, block: int, *, cold: bool = False) -> float:
     """Median over args.mem_repeats fresh processes (RSS high-water marks vary run to run)."""
     cmd = [
         sys.executable,
-        __file__,
+        "-m",
+        "bench.trainer_step",
         "--child",
         "--arm",
         arm,

@@ -1,0 +1,19 @@
+"""The stages (one module each, thin: build from config, run), the rotation and the `preinfer`
+command line (pipelines/cli.py). Builds run in this process or as Ray Data jobs, visits in
+this process or under Ray Train; the same commands work locally and as Ray cluster jobs.
+
+Public surface: the stage functions, as the CLI and the benchmarks call them.
+"""
+
+from pipelines.bcd import run_bcd
+from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.eval import run_eval
+from pipelines.init import run_init
+from pipelines.report import run_report
+from pipelines.tokenize import run_tokenize
+from pipelines.train import run_train
+
+__all__ = [
+    "build_cache", "refresh_cache", "run_bcd", "run_eval", "run_init", "run_report",
+    "run_tokenize", "run_train",
+]  # fmt: skip

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -25,12 +26,14 @@ from tqdm import tqdm
 
 from core import faults
 from core.config import ConfigError
+from pipelines.ray_env import actor_resources, ensure_ray
 from preinfer import hostmem
 from preinfer.adapters import forward_blocks
 from preinfer.cache_identity import CachePlan, Sources, compute_choice, plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
 from preinfer.device import resolve_device, torch_dtype
+from preinfer.guards import check_disk_for_cache
 from storage.cache import CacheWriter
 from storage.layout import is_complete
 from storage.reader import open_cache
@@ -44,7 +47,9 @@ class PrefixWorker:
 
     first = 0 (build, input = token ids) or block-1 (refresh, input = the boundary-(block-1)
     cache). Constructed once per actor from plain data (config dict, paths, and the compute
-    dtype the driver resolved, so every actor computes alike).
+    dtype the driver resolved, so every actor computes alike). on_phase (in-process callers
+    only, e.g. a memory benchmark; never sent to Ray): called with "load" once the weights are
+    loaded, then per shard "input" when its input is in hand and "compute" after its forward.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class PrefixWorker:
         compute: str,
         round_to: str | None,
         pin: bool = True,
+        on_phase: Callable[[str], None] | None = None,
     ):
         self.cfg = config_from_dict(cfg_dict)
         pin = pin and self.cfg.preinfer.malloc_mmap_threshold_mb > 0
@@ -81,6 +87,9 @@ class PrefixWorker:
         # [0] reads the next shard's input, [1] encodes + writes the last computed shard
         self._lock = threading.Lock()
         self._helpers = [ThreadPoolExecutor(1, thread_name_prefix=n) for n in ("input", "write")]
+        self.on_phase = on_phase
+        if on_phase is not None:
+            on_phase("load")
 
     def close(self) -> None:
         for h in self._helpers:
@@ -125,9 +134,13 @@ class PrefixWorker:
                 x, rows, read_s = nxt.result()
                 if j + 1 < len(items):
                     nxt = self._helpers[0].submit(self._input, *items[j + 1])
+                if self.on_phase is not None:
+                    self.on_phase("input")
                 t1 = time.perf_counter()
                 hidden = self._compute(x)
                 t2 = time.perf_counter()
+                if self.on_phase is not None:
+                    self.on_phase("compute")
                 if writing is not None:
                     out["write_s"].append(writing.result())  # the previous shard is committed
                 writing = self._helpers[1].submit(self._write, fp, shard, hidden)
@@ -278,8 +291,6 @@ def _local_records(cfg: Config, items: list[dict], worker_kw: dict):
 def _ray_records(cfg: Config, items: list[dict], worker_kw: dict):
     import ray
 
-    from pipelines.ray_env import actor_resources, ensure_ray
-
     ensure_ray()
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
@@ -375,7 +386,6 @@ def refresh_cache(
 
 def _guard_disk(cfg: Config, block: int, round_: int, src: Sources) -> None:
     """Refuse before anything is written when the boundary's caches cannot fit the free disk."""
-    from preinfer.guards import check_disk_for_cache
 
     if not all(p.complete for p in plan_caches(cfg, block, round_, create=False, src=src)):
         check_disk_for_cache(cfg, block)

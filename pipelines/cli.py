@@ -7,9 +7,25 @@ preinfer cache build --block 2 --config configs/demo.yaml
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
+from pathlib import Path
+
+from core.config import ConfigError
+from pipelines.bcd import run_bcd
+from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.demo import run_demo
+from pipelines.eval import run_eval
+from pipelines.init import run_init
+from pipelines.report import run_report
+from pipelines.tokenize import run_tokenize
+from pipelines.train import run_train
+from preinfer.checkpoint_format import CheckpointError
+from preinfer.config import Config, load_config
+from preinfer.plan import add_plan_arguments, run_plan
+from storage import cache_tools
+from storage.layout import CacheError, check_fingerprint
+from storage.tokens import TokenStoreError
 
 MODES = ("bcd", "full", "bcd-recompute")
 
@@ -55,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="memory, disk and cost estimate before anything runs")
     _common(p)
-    from preinfer.plan import add_plan_arguments
 
     add_plan_arguments(p)
 
@@ -113,7 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    from preinfer.config import load_config
 
     return load_config(args.config, args.overrides)
 
@@ -125,21 +139,18 @@ def _cmd_config(args) -> int:
 
 
 def _cmd_tokenize(args) -> int:
-    from pipelines.tokenize import run_tokenize
 
     run_tokenize(_load(args), force=args.force)
     return 0
 
 
 def _cmd_init(args) -> int:
-    from pipelines.init import run_init
 
     run_init(_load(args), force=args.force)
     return 0
 
 
 def _cmd_eval(args) -> int:
-    from pipelines.evaluate import run_eval
 
     res = run_eval(_load(args), max_batches=args.batches)
     print(json.dumps(res))
@@ -147,14 +158,12 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from pipelines.demo import run_demo
 
     run_demo(_load(args))
     return 0
 
 
 def _cmd_train(args) -> int:
-    from pipelines.train import run_train
 
     res = run_train(_load(args), args.block, args.round, mode=args.mode)
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}))
@@ -162,29 +171,78 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_bcd(args) -> int:
-    from pipelines.rotate import run_bcd
 
     run_bcd(_load(args), mode=args.mode)
     return 0
 
 
 def _cmd_plan(args) -> int:
-    from preinfer.plan import run_plan
 
     return run_plan(_load(args), args)
 
 
 def _cmd_report(args) -> int:
-    from pipelines.report import run_report
 
     run_report(_load(args))
     return 0
 
 
 def _cmd_cache(args) -> int:
-    from pipelines import cache_cli
+    return _cache(args, _load(args))
 
-    return cache_cli.main(args, _load(args))
+
+def _referenced(run_dirs: list[str]) -> set[str]:
+    """Fingerprints that the runs' state files say are in use."""
+    keep: set[str] = set()
+    for d in run_dirs:
+        p = Path(d) / "state.json"
+        if p.is_file():
+            keep |= set(json.loads(p.read_text()).get("caches_in_use", []))
+    return keep
+
+
+def _cache(args, cfg: Config) -> int:
+    """`preinfer cache ...`: build/refresh, and the storage tools (storage/cache_cache_tools.py)."""
+    cmd = args.cache_cmd
+    if getattr(args, "fingerprint", None) is not None:
+        check_fingerprint(args.fingerprint)
+    if cmd in ("build", "refresh"):
+        if cmd == "build":
+            res = build_cache(cfg, args.block, args.round, verify=args.verify)
+        else:
+            res = refresh_cache(cfg, args.block, args.round)
+        print(json.dumps(res))
+        return 0
+    root = getattr(args, "root", None) or cfg.cache.root
+    if cmd == "ls":
+        print(cache_tools.format_table(cache_tools.list_caches(root)))
+        return 0
+    if cmd == "inspect":
+        print(json.dumps(cache_tools.inspect_cache(root, args.fingerprint), indent=2, default=str))
+        return 0
+    if cmd == "verify":
+        bad = cache_tools.verify_cache(root, args.fingerprint)
+        for shard, reason in bad:
+            print(f"shard {shard}: {reason}")
+        if bad:
+            print(
+                f"verify: {args.fingerprint}: {len(bad)} bad shard(s); repair with "
+                "`preinfer cache build --block K --verify` (rewrites only the bad shards)"
+            )
+            return 1
+        print(f"verify: {args.fingerprint}: ok")
+        return 0
+    if cmd == "gc":
+        keep = _referenced(args.run or [cfg.run.dir])
+        removed = cache_tools.gc_caches(root, keep, dry_run=args.dry_run)
+        verb = "would remove" if args.dry_run else "removed"
+        for fp, reason, nbytes in removed:
+            print(f"{verb} {fp} ({reason}, {nbytes / 2**20:.1f} MiB)")
+        print(
+            f"gc: {len(removed)} cache(s) {'would be removed' if args.dry_run else 'removed'}; kept {len(keep)} in use"
+        )
+        return 0
+    raise AssertionError(cmd)
 
 
 COMMANDS = {
@@ -203,14 +261,8 @@ COMMANDS = {
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input: printed as one clear line, exit code 2."""
-    from core.config import ConfigError
-    from storage.tokens import TokenStoreError
 
-    errs: list[type[BaseException]] = [ConfigError, TokenStoreError, FileNotFoundError]
-    for mod, name in (("preinfer.checkpoint", "CheckpointError"), ("storage.cache", "CacheError")):
-        with contextlib.suppress(ImportError, AttributeError):
-            errs.append(getattr(__import__(mod, fromlist=[name]), name))
-    return tuple(errs)
+    return (ConfigError, TokenStoreError, FileNotFoundError, CheckpointError, CacheError)
 
 
 def main(argv: list[str] | None = None) -> int:

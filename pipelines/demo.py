@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from pipelines.evaluate import run_eval
+from pipelines.bcd import run_bcd
+from pipelines.eval import run_eval
 from pipelines.init import run_init
 from pipelines.report import run_report
-from pipelines.rotate import run_bcd
 from pipelines.tokenize import run_tokenize
 from preinfer.checkpoint_format import CheckpointExists
 from preinfer.config import Config

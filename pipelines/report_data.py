@@ -14,6 +14,7 @@ from pathlib import Path
 
 from preinfer.config import Config
 from storage import fs
+from storage.layout import FP_RE
 
 # ---- reading the run ----
 
@@ -82,7 +83,6 @@ def _read_json(path: Path) -> dict | None:
 
 def _cache_info(root: Path, fp: str | None) -> dict | None:
     """Sizes from a cache manifest still on disk, or None (deleted, unfinished, unreadable)."""
-    from pipelines.cache_cli import FP_RE
 
     if not fp or not FP_RE.fullmatch(str(fp)):  # a hand-edited state.json never leaves the root
         return None
@@ -168,6 +168,8 @@ def collect(cfg: Config) -> dict:
             "boundary": c.get("boundary"),
             "action": c.get("action"),
             "seconds": c.get("seconds", 0.0),
+            "fixed_s": c.get("fixed_s"),  # plan + start-up + finalize (None: reused, or older)
+            "rows": c.get("rows"),
             "start": end - c.get("seconds", 0.0),
             "end": end,
             "fingerprints": fps,

@@ -122,9 +122,19 @@ def write_summary(cfg: Config, data: dict, plots: dict[str, Path], path: Path) -
                                  f"{_f(info.get('bytes_per_value'), '.3f')} B/value, "
                                  f"{_f(info.get('compression_ratio'), '.2f')}x compressed, "
                                  f"{_f(ratio, '.2f')}x vs bf16")  # fmt: skip
-            rows.append([c["round"], c["boundary"], c["action"], _f(c["seconds"], ".2f"),
-                         _f(c["start"], ".1f"), "<br>".join(sizes) or "–"])  # fmt: skip
-        L += _table(["round", "boundary", "action", "seconds", "at (s)", "caches"], rows)
+            fixed = c.get("fixed_s")
+            share = (
+                f"{_f(fixed, '.2f')} ({fixed / c['seconds']:.0%})"
+                if fixed and c["seconds"]
+                else "–"
+            )
+            rows.append([c["round"], c["boundary"], c["action"], _f(c["seconds"], ".2f"), share,
+                         c.get("rows") or "–", _f(c["start"], ".1f"),
+                         "<br>".join(sizes) or "–"])  # fmt: skip
+        L += _table(["round", "boundary", "action", "seconds", "fixed s (share)", "rows computed",
+                     "at (s)", "caches"], rows)  # fmt: skip
+        L.append("")
+        L.append("Fixed: everything but computing shards (planning, worker start-up, finalize).")
         L.append("")
         L.append("Sizes come from the cache manifests still on disk; `gone` = removed since "
                  "(cache.keep=false drops caches the rotation no longer needs).")  # fmt: skip

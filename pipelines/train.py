@@ -13,10 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from core.config import ConfigError
+from pipelines.ray_env import ensure_ray, gpus_available
 from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
 from preinfer.device import resolve_device
+from preinfer.guards import warn_trainer_memory
 from preinfer.visit import Visit, VisitHooks, VisitSpec, last_visit_summary
 from storage.tokens import TokenStore
 
@@ -101,8 +103,6 @@ def run_train(
     TokenStore(cfg.data.out_dir)
     spec = visit_spec(cfg, block, round_, mode, caches)
     if memory_check:
-        from preinfer.guards import warn_trainer_memory
-
         try:
             warn_trainer_memory(cfg, mode=mode, block=None if mode == "full" else block, log=log)
         except Exception as e:  # an estimate must never stop a run
@@ -118,8 +118,6 @@ def run_train(
 
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from pipelines.ray_env import ensure_ray, gpus_available
 
     ensure_ray()
     use_gpu = cfg.run.device != "cpu" and gpus_available()

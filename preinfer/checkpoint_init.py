@@ -12,11 +12,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from preinfer.adapters import get_adapter
+from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_format import (
     INDEX,
     CheckpointError,
@@ -32,9 +32,6 @@ from preinfer.modeling import ModelConfig, build_model
 from preinfer.partition import block_tensor_names, partition_model
 from storage import fs
 
-if TYPE_CHECKING:
-    from preinfer.checkpoint import Checkpoint
-
 
 def init_checkpoint(
     model_cfg: ModelConfig, num_blocks: int, out_dir: str | Path, *, force: bool = False
@@ -45,7 +42,6 @@ def init_checkpoint(
     directory that looks complete. An existing checkpoint with the same content is reused; a
     different one is an error unless force=True, which writes the new block files beside the old
     ones and replaces checkpoint.json atomically (then deletes files no longer referenced)."""
-    from preinfer.checkpoint import Checkpoint  # here: preinfer.checkpoint imports this module
 
     fs.check(out_dir, "checkpoint")
     out = fs.path(out_dir)
@@ -115,7 +111,6 @@ def _init_remote(out, index: dict, states: list[dict[str, torch.Tensor]]) -> Che
     """A new checkpoint under an object-store prefix: block files (content-hash names, one PUT
     each), then checkpoint.json last; a prefix without it is incomplete. Leftover block files
     of an interrupted init are overwritten (same names = same bytes) or left unreferenced."""
-    from preinfer.checkpoint import Checkpoint  # here: preinfer.checkpoint imports this module
 
     others = [p.name for p in out.iterdir() if not p.name.startswith("block_")]
     if others:

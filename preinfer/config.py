@@ -21,6 +21,7 @@ from preinfer.modeling import ModelConfig
 from preinfer.partition import PartitionConfig
 from preinfer.tokenization import DataConfig
 from preinfer.trainer import TrainConfig
+from storage import fs
 from storage.config import CacheConfig, StorageConfig
 
 
@@ -76,7 +77,6 @@ class Config:
         self.data.out_dir = _absolute(self.data.out_dir)
         self.run.checkpoint = _absolute(self.run.checkpoint)
         self.cache.root = _absolute(self.cache.root)
-        from storage import fs
 
         fs.configure(self.storage)  # options of s3:// paths in this process (and Ray workers)
         if self.model.checkpoint is None and self.data.seq_len > self.model.max_positions:

@@ -17,7 +17,15 @@ import statistics
 from pathlib import Path
 
 from preinfer.cache_identity import visit_budget
-from storage.layout import CacheError
+from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_format import CheckpointError
+from preinfer.device import resolve_device
+from preinfer.memory import GiB, model_shape, setup_for, trainer_memory
+from preinfer.partition import partition_layers
+from storage.atomic import human
+from storage.layout import CacheError, estimate_cache_bytes, free_disk_bytes, rows_per_shard
+from storage.tokens import TokenStore
+from storage.values import stored_dtype
 
 
 class DiskSpaceError(CacheError):
@@ -52,8 +60,6 @@ def measured_ratio(cfg) -> tuple[float, str] | None:
 def cache_bytes(cfg, *, hidden: int, seq: int, n_train: int, n_val: int) -> dict:
     """Estimated bytes of one boundary's caches (train sample + val): the upper bound and the
     expected size (values / measured codec ratio), per split and in total."""
-    from storage.layout import estimate_cache_bytes
-    from storage.values import stored_dtype
 
     ratio = measured_ratio(cfg)
     budget = visit_budget(cfg, n_train, n_val)
@@ -71,9 +77,6 @@ def cache_bytes(cfg, *, hidden: int, seq: int, n_train: int, n_val: int) -> dict
 
 def _dims(cfg) -> tuple[int, int, int, int, int] | None:
     """(hidden, seq, n_train, n_val, M) from the checkpoint and token store; None if absent."""
-    from preinfer.checkpoint import Checkpoint
-    from preinfer.checkpoint_format import CheckpointError
-    from storage.tokens import TokenStore
 
     if not TokenStore.exists(cfg.data.out_dir):
         return None  # the stage itself reports the missing token store
@@ -82,8 +85,6 @@ def _dims(cfg) -> tuple[int, int, int, int, int] | None:
         ckpt = Checkpoint.open(cfg.run.checkpoint)
         hidden, M = ckpt.hidden_size, ckpt.num_blocks
     except CheckpointError:
-        from preinfer.memory import model_shape
-
         hidden, M = model_shape(cfg.model).hidden, cfg.partition.num_blocks
     return hidden, store.seq_len, store.num_samples("train"), store.num_samples("val"), M
 
@@ -98,8 +99,6 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
     (default train.mode) other than bcd writes no caches. Conservative on a resumed rotation:
     caches already on disk are not credited. Returns the figures, or None when there is nothing
     to check (no token store yet: the stage itself reports that)."""
-    from storage.atomic import human
-    from storage.layout import free_disk_bytes
 
     dims = _dims(cfg)
     if dims is None:
@@ -112,8 +111,6 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
         count = M - 1 if cfg.cache.keep else min(2, M - 1)
         need, what = count * per["expected"], f"the bcd rotation ({count} boundaries at once)"
     elif plans is not None:  # what is still to write: committed shards (done markers) count
-        from storage.layout import rows_per_shard
-
         rps = rows_per_shard(seq, hidden, cfg.cache.dtype, cfg.cache.shard_mb)
         need = 0
         for p in plans:
@@ -152,12 +149,6 @@ def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = Non
     worst block of the rotation (or `block`) for the bcd modes, the whole model for full.
     Returns that worst estimate (preinfer.memory.trainer_memory's dict + device_bytes)."""
     import warnings
-
-    from preinfer.checkpoint import Checkpoint
-    from preinfer.checkpoint_format import CheckpointError
-    from preinfer.device import resolve_device
-    from preinfer.memory import GiB, model_shape, setup_for, trainer_memory
-    from preinfer.partition import partition_layers
 
     mode = mode or cfg.train.mode
     device = resolve_device(cfg.run.device)

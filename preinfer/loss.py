@@ -9,12 +9,19 @@ chunk's softmax is), so only one chunk's logits are ever alive and backward only
 The matmuls are the same three a plain forward + backward does; nothing is recomputed.
 
     loss = head_loss(adapter, hidden, labels, chunk=256)   # == lm_loss(adapter.head(hidden), labels)
+
+Also the held-out loss of a token store split (`evaluate_tokens`), for `preinfer eval`.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from preinfer.adapters import forward_blocks
 
 IGNORE = -100  # label of a position that does not count (F.cross_entropy's default)
 
@@ -137,7 +144,6 @@ def blocks_loss(
 ) -> torch.Tensor:
     """Mean LM loss of running blocks [start, M) on x (ids (B, S) if start == 0, else the
     hidden (B, S, H) entering block `start`)."""
-    from preinfer.adapters import forward_blocks
 
     hidden = forward_blocks(adapter, partition, x, start, partition.num_blocks, head=False)
     adapter.require_loaded("head")
@@ -150,7 +156,6 @@ def mode_loss(
     """The loss a trainer step of `mode` takes for block `block`. x: the hidden (B, S, H)
     entering the block for bcd (ids when block == 0), ids (B, S) for full and bcd-recompute
     (which reruns blocks 0..block-1 without grad first)."""
-    from preinfer.adapters import forward_blocks
 
     start = block if mode == "bcd" else 0
     if mode == "bcd-recompute" and block > 0:
@@ -158,3 +163,36 @@ def mode_loss(
             x = forward_blocks(adapter, partition, x, 0, block)
         start = block
     return blocks_loss(adapter, partition, x, labels, start, chunk)
+
+
+def split_sample(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, S+1) int32 token rows -> inputs (n, S) long and labels (n, S) long."""
+    t = torch.from_numpy(np.ascontiguousarray(rows)).long()
+    return t[:, :-1], t[:, 1:]
+
+
+@torch.inference_mode()
+def evaluate_tokens(
+    forward,
+    store,
+    *,
+    split: str = "val",
+    batch_size: int = 16,
+    max_batches: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict:
+    """Mean loss and perplexity of `forward(input_ids) -> logits` over the first batches of a split.
+
+    Deterministic: always the same leading batches, so evaluations are comparable over time.
+    """
+    n = store.num_samples(split)
+    if max_batches:
+        n = min(n, max_batches * batch_size)
+    total, count = 0.0, 0
+    for start in range(0, n, batch_size):
+        ids, labels = split_sample(store.read(split, start, min(n, start + batch_size)))
+        logits = forward(ids.to(device))
+        total += lm_loss(logits, labels.to(device)).item() * labels.numel()
+        count += labels.numel()
+    loss = total / max(count, 1)
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}

@@ -30,7 +30,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from preinfer.adapters import get_adapter
 from preinfer.cache_identity import visit_budget
+from preinfer.modeling import build_model, default_intermediate
+from preinfer.partition import partition_layers
+from storage.dataset import buffer_rows
+from storage.layout import rows_per_shard
+from storage.values import stored_dtype
 
 GiB, MiB = 2**30, 2**20
 
@@ -143,8 +149,6 @@ class ModelShape:
 
 def model_shape(model_cfg) -> ModelShape:
     """Shapes of `model_cfg` from a meta-device build (no weight memory, any size)."""
-    from preinfer.adapters import get_adapter
-    from preinfer.modeling import build_model, default_intermediate
 
     model = build_model(model_cfg, device="meta")
     ad = get_adapter(model, model_cfg.arch)
@@ -414,39 +418,8 @@ def sharded_full_cards(sh: ModelShape, part, p: Setup, card_bytes: float, global
     return None
 
 
-@dataclass(kw_only=True)
-class Flops:
-    """Matmul FLOPs per token (2 per multiply-add; backward = 2 x forward)."""
-
-    sh: ModelShape
-    part: object
-    seq: int
-
-    def _fwd(self, layers) -> float:
-        H, S = self.sh.hidden, self.seq
-        return sum(2 * self.sh.layers[j] + 4 * S * H for j in layers)
-
-    def full(self) -> float:
-        layers = range(self.part.num_layers)
-        return 3 * (self._fwd(layers) + 2 * self.sh.head_matrix)
-
-    def bcd(self, k: int) -> float:
-        """Suffix forward + input gradients through it + weight gradients of block k only."""
-        M, part = self.part.num_blocks, self.part
-        suffix = range(part.blocks[k][0], part.num_layers)
-        fwd = self._fwd(suffix) + 2 * self.sh.head_matrix
-        matrix_tr = (k == M - 1 and not self.sh.tied) or (k == 0 and self.sh.tied)
-        wgrad = self._fwd(part.layers(k)) + (2 * self.sh.head_matrix if matrix_tr else 0)
-        return 2 * fwd + wgrad
-
-    def preinfer(self, k: int) -> float:
-        """Refresh of boundary k: block k-1's forward per cached token."""
-        return self._fwd(self.part.layers(k - 1))
-
-
 def smallest_fitting_m(sh: ModelShape, p: Setup, card_bytes: float) -> dict | None:
     """Smallest M whose worst BCD block fits `card_bytes` (block 0 holds every weight)."""
-    from preinfer.partition import partition_layers
 
     L = len(sh.layers)
 
@@ -471,9 +444,6 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
     cache.shard_mb (N unknown: assume at least one full shard). pipelined: pre-inference calls
     get several shards each (pipelines.cache_build.shards_per_task > 1; True, the larger estimate,
     when the shard count is not known)."""
-    from storage.dataset import buffer_rows
-    from storage.layout import rows_per_shard
-    from storage.values import stored_dtype
 
     S = seq or cfg.data.seq_len
     B = batch or cfg.train.batch_size

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.config import ConfigError, field_docs
 from preinfer.cache_identity import visit_budget
+from preinfer.costmodel import Flops
+from preinfer.guards import cache_bytes
 from preinfer.memory import (
     CARDS,
     OPT_STATE,
     PRECISIONS,
-    Flops,
     GiB,
     model_shape,
     preinfer_memory,
@@ -23,6 +25,9 @@ from preinfer.memory import (
     smallest_fitting_m,
     trainer_memory,
 )
+from preinfer.partition import partition_layers
+from storage.layout import free_disk_bytes
+from storage.tokens import TokenStore
 
 # ---------------------------------------------------------------------------- the plan
 
@@ -82,8 +87,6 @@ def add_plan_arguments(parser) -> None:
     import dataclasses
     import typing
 
-    from core.config import field_docs
-
     docs, hints = field_docs(PlanOptions), typing.get_type_hints(PlanOptions)
     for f in dataclasses.fields(PlanOptions):
         flag = "--" + f.name.replace("_", "-")
@@ -99,7 +102,6 @@ def add_plan_arguments(parser) -> None:
 def _card(name: str, mem=None, peak=None, price=None, precision="fp32"):
     """(memory bytes, {"train", "infer"}: peak FLOP/s or None, price or None) of a card name
     with overrides; training runs at the planned precision, pre-inference in bf16."""
-    from core.config import ConfigError
 
     if name == "cpu":
         import psutil
@@ -132,7 +134,6 @@ def measured_times(cfg) -> dict:
 
 def _n_samples(cfg, o: PlanOptions, seq: int) -> tuple[int | None, int | None, str]:
     """(train, val) samples and where they came from: --samples/--tokens, else the token store."""
-    from storage.tokens import TokenStore
 
     if o.samples or o.tokens:
         n = o.samples or max(1, int(o.tokens // seq))
@@ -147,8 +148,6 @@ def _n_samples(cfg, o: PlanOptions, seq: int) -> tuple[int | None, int | None, s
 
 def build_plan(cfg, o: PlanOptions) -> dict:
     """The whole plan as plain data (what --json prints)."""
-    from core.config import ConfigError
-    from preinfer.partition import partition_layers
 
     if o.cards < 1 or o.mfu <= 0 or (o.precision and o.precision not in PRECISIONS):
         raise ConfigError(f"plan: need --cards >= 1, --mfu > 0, --precision in {list(PRECISIONS)}")
@@ -191,8 +190,6 @@ def build_plan(cfg, o: PlanOptions) -> dict:
 
 
 def _cache(cfg, o, sh, S, M, n_tr, n_val) -> dict:
-    from preinfer.guards import cache_bytes
-    from storage.layout import free_disk_bytes
 
     free = o.free_disk * GiB if o.free_disk is not None else free_disk_bytes(cfg.cache.root)
     if n_tr is None:

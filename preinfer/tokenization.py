@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from core.config import ConfigError
+from preinfer.modeling import resolve_package_path
 
 
 @dataclass(kw_only=True)
@@ -204,7 +205,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
 
 
 def tokenizer_file(spec: str) -> Path:
-    from preinfer.modeling import resolve_package_path
 
     p = resolve_package_path(spec, "data.tokenizer")
     if p.is_dir():

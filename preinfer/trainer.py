@@ -13,7 +13,8 @@ import torch
 
 from core.config import ConfigError
 from preinfer.device import autocast
-from preinfer.evaluation import split_sample
+from preinfer.loss import split_sample
+from storage.dataset import CacheDataset
 
 # The paper's defaults per optimizer: (lr, momentum, weight decay).
 PAPER_DEFAULTS = {"sgd": (0.1, 0.9, 1e-5), "adam": (1e-4, 0.0, 1e-5), "adamw": (1e-4, 0.0, 1e-5)}
@@ -191,7 +192,6 @@ class CacheBatches:
         self.steps_per_epoch = n // batch_size
 
     def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from storage.dataset import CacheDataset
 
         ds = CacheDataset(
             self.cache,

@@ -37,6 +37,7 @@ from preinfer.trainer import (
     reset_peak_memory,
     train_step,
 )
+from storage.reader import open_cache
 from storage.tokens import TokenStore
 
 STATE_VERSION = 1
@@ -172,8 +173,6 @@ class Visit:
             shuffle=spec.shuffle,
         )
         if self.from_cache:
-            from storage.reader import open_cache
-
             root = cfg.cache.root
             self.train_cache = open_cache(
                 root, spec.cache_train, expected_fingerprint=spec.cache_train

@@ -5,11 +5,26 @@ docstring draws the layout; storage/cache.py re-exports all of this).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
+from core.config import ConfigError
 from storage import atomic, fs
 from storage.values import is_lossy, stored_dtype
+
+FP_RE = re.compile(r"[0-9a-f]{8,64}")  # a cache's directory name: its hex fingerprint
+
+
+def check_fingerprint(fp: str) -> str:
+    """A cache name is a hex fingerprint: nothing that could walk out of the cache root."""
+    if not isinstance(fp, str) or not FP_RE.fullmatch(fp):
+        raise ConfigError(
+            f"{fp!r} is not a cache fingerprint (8-64 lowercase hex characters); "
+            "`preinfer cache ls` lists them"
+        )
+    return fp
+
 
 HIDDEN, SCALE, SAMPLES, BUILD, DONE, MANIFEST = (
     "hidden.zarr",

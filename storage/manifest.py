@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, NoReturn
 
 from core.fingerprint import CACHE_FORMAT_VERSION
+from storage import fs
 from storage.layout import HIDDEN, MANIFEST, SAMPLES, SCALE, CacheCorrupt, CacheError
 from storage.values import STORED_NP, is_lossy
 
@@ -267,8 +268,6 @@ def validate_manifest(manifest: Any, cache_dir: Any) -> None:
 
     cache_dir: a Path, a storage.fs RemotePath (an object-store cache) or a string of either."""
     if isinstance(cache_dir, str):
-        from storage import fs
-
         cache_dir = fs.path(cache_dir)  # a Path, or a RemotePath for an s3:// cache
     try:
         _check(manifest, cache_dir)

@@ -34,6 +34,7 @@ from storage.layout import (
     FingerprintMismatch,
     read_json,
 )
+from storage.manifest import validate_manifest
 from storage.shard_codec import decode_shard, shard_codec
 from storage.values import CodecError, decode, stored_dtype
 
@@ -90,7 +91,6 @@ def open_cache(
             "the cache build to write the missing shards and finalize it"
         )
     manifest = read_json(mp, "manifest")
-    from storage.manifest import validate_manifest  # schema + paths stay inside cdir
 
     validate_manifest(manifest, cdir)
     if manifest.get("format_version") != CACHE_FORMAT_VERSION:

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from storage.cache import CacheWriter
+from storage.cache_tools import verify_cache
 from storage.config import CacheConfig
 from storage.dataset import CacheDataset, rank_pieces
 from storage.hf_view import hf_to_torch, to_hf_dataset
 from storage.layout import CacheCorrupt, CacheError, CacheIncomplete, FingerprintMismatch
 from storage.reader import open_cache
-from storage.tools import verify_cache
 from storage.values import stored_dtype
 
 N, S, H, R = 40, 8, 16, 8  # 5 shards of 8 rows

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from storage.cache import CacheWriter
+from storage.cache_tools import format_table, gc_caches, inspect_cache, list_caches, verify_cache
 from storage.config import CacheConfig
 from storage.layout import CacheError
-from storage.tools import format_table, gc_caches, inspect_cache, list_caches, verify_cache
 
 N, S, H = 24, 8, 16
 

@@ -1,6 +1,6 @@
 """The fault suite: each failure gives a clear message, no silently wrong data, and a rerun of
 the same command recovers. (Worker killed mid-shard: test_preinfer.py; driver killed mid-build:
-test_preinfer.py; trainer killed mid-block: test_rotate.py; tampered checkpoint file:
+test_preinfer.py; trainer killed mid-block: test_bcd.py; tampered checkpoint file:
 test_checkpoint.py.)"""
 
 import errno
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from pipelines.bcd import run_bcd
 from pipelines.cache_build import build_cache
-from pipelines.rotate import run_bcd
 from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from storage.cache import CacheWriter
@@ -130,7 +130,7 @@ def test_cache_build_refuses_before_writing_when_disk_is_too_small(tiny_run, mon
     from preinfer.guards import DiskSpaceError
 
     cfg = tiny_run()
-    for where in ("storage.layout", "storage.cache"):  # the guard's and the writer's
+    for where in ("preinfer.guards", "storage.cache"):  # the guard's and the writer's
         monkeypatch.setattr(f"{where}.free_disk_bytes", lambda path: 1000)
     with pytest.raises(DiskSpaceError, match="only 1000"):
         build_cache(cfg, 1, log=quiet)

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelines.cli import main
-from storage import tools
+from storage import cache_tools as tools
 from storage.cache import CacheWriter
 from storage.config import CacheConfig
 from storage.layout import CacheCorrupt, CacheError, FingerprintMismatch

@@ -40,7 +40,10 @@ def _imports(mod: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
                 pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
                 pkg = pkg[: len(pkg) - (node.level - 1)]
                 base = ".".join([*pkg, base] if base else pkg)
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
+            subs = [f"{base}.{a.name}" for a in node.names]
+            # `from pkg import submodule` imports the submodule (and runs pkg/__init__, which
+            # is pkg's public surface, not a dependency of the submodule importing it)
+            names = subs if all(n in known for n in subs) else [base, *subs]
         for name in names:
             # the longest project module the name refers to ("a.b.c" -> module "a.b")
             parts = name.split(".")

@@ -259,7 +259,7 @@ def test_cache_writes_are_ordered_whole_puts(s3, s3_run, monkeypatch):
     build = json.loads(fs.path(f"{root}/{w.header['fingerprint']}/build.json").read_text())
     assert build["meta"]["config"]["storage"]["secret"] == "***"
     # cache tools on the prefix: ls, inspect, gc (deletes every object of the cache)
-    from storage import tools
+    from storage import cache_tools as tools
 
     fp = w.header["fingerprint"]
     (row,) = tools.list_caches(root)
@@ -339,9 +339,9 @@ def test_bcd_rotation_on_s3_drops_old_caches_and_masks_credentials(s3_run):
     config.json never holds the storage secret."""
     import json
 
+    from pipelines.bcd import run_bcd
     from pipelines.init import run_init
     from pipelines.report import run_report
-    from pipelines.rotate import run_bcd
     from pipelines.tokenize import run_tokenize
 
     cfg = s3_run("cache.shard_mb=0.5", "train.max_steps=2", "train.eval_every=0")

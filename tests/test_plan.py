@@ -231,7 +231,7 @@ def test_estimate_within_15_percent_of_measured_peak_on_demo(tmp_path):
     import sys
 
     out = tmp_path / "rows.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--configs", "demo",
+    subprocess.run([sys.executable, "-m", "bench.plan_accuracy", "--configs", "demo",
                     "--repeats", "3", "--json", str(out)], check=True, cwd=ROOT)  # fmt: skip
     rows = json.loads(out.read_text())
     assert len(rows) == 7 and all(len(r["samples"]) == 3 for r in rows)

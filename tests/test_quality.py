@@ -1,9 +1,9 @@
 """bench/quality.py (the quality study) and bench/run_all.py (`make bench`).
 
 Fast tests drive the study's analysis and report on synthetic records, and the bench runner on
-throwaway scripts; the slow one runs `bench/quality.py --quick` end to end (minutes: it trains
-five small arms and builds caches with Ray) and checks that the JSON, markdown and figures it
-writes agree with each other.
+throwaway benchmark modules; the slow one runs `python -m bench.quality --quick` end to end
+(minutes: it trains five small arms and builds caches with Ray) and checks that the JSON,
+markdown and figures it writes agree with each other.
 """
 
 from __future__ import annotations
@@ -11,17 +11,22 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import quality, run_all
+from bench.quality_analysis import analyse, at_step, first_reach
+from bench.quality_arms import Scale
+from bench.quality_train import (
+    GlobalOrderCacheBatches,
+    arm_hooks,
+    global_order_batches,
+    parse_metrics,
+)
 
-import quality  # noqa: E402
-import run_all  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -57,7 +62,7 @@ def test_parse_metrics_subtracts_evals_and_counts_steps(tmp_path):
         recs.append(r)
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in recs))
-    out = quality.parse_metrics(path, t0, [2.0, 2.0, 2.0])
+    out = parse_metrics(path, t0, [2.0, 2.0, 2.0])
     steps = [p["step"] for p in out["curve"]]
     assert steps == [2, 4, 6]
     walls = [p["wall_s"] for p in out["curve"]]
@@ -75,7 +80,7 @@ def test_parse_metrics_mismatched_eval_count_falls_back(tmp_path):
     path.write_text(
         json.dumps({"event": "step", "round": 0, "block": 0, "step": 1, "time": 1.0, "val_loss": 1})
     )
-    out = quality.parse_metrics(path, 0.0, [])  # no durations recorded: nothing subtracted
+    out = parse_metrics(path, 0.0, [])  # no durations recorded: nothing subtracted
     assert out["curve"][0]["wall_s"] == pytest.approx(1.0)
 
 
@@ -139,7 +144,7 @@ def _arm(model, mode, seed, M, opt, ppls, step_every, wall_per_step, group="main
 
 
 def _synthetic_results() -> dict:
-    scale = quality.Scale(
+    scale = Scale(
         documents=4,
         steps_per_visit=10,
         full_rounds=1,
@@ -194,14 +199,14 @@ def _synthetic_results() -> dict:
 
 def test_first_reach_and_at_step():
     curve = [{"step": 10, "ppl": 5.0}, {"step": 20, "ppl": 3.0}, {"step": 30, "ppl": 2.0}]
-    assert quality.first_reach(curve, 3.0)["step"] == 20
-    assert quality.first_reach(curve, 1.0) is None
-    assert quality.at_step(curve, 25)["step"] == 20
-    assert quality.at_step(curve, 5) is None
+    assert first_reach(curve, 3.0)["step"] == 20
+    assert first_reach(curve, 1.0) is None
+    assert at_step(curve, 25)["step"] == 20
+    assert at_step(curve, 5) is None
 
 
 def test_analyse_multiplier_time_memory_targets():
-    s = quality.analyse(_synthetic_results())
+    s = analyse(_synthetic_results())
     bcd = s["models"]["gpt2"]["arms"]["bcd"]
     # seed 0 reaches full's final (100) at step 40 of full's 30: 1.33; seed 1 never (bound 2.0)
     assert bcd["multiplier"][0] == pytest.approx(40 / 30)
@@ -255,8 +260,9 @@ def _write(path: Path, body: str) -> None:
 
 
 def test_run_all_collects_results_and_records_failures(tmp_path):
-    bench = tmp_path / "bench"
+    bench = tmp_path / "bench"  # a package of throwaway benchmarks, run as bench.<name>
     bench.mkdir()
+    _write(bench / "__init__.py", "")
     _write(
         bench / "good.py",
         """
@@ -306,10 +312,11 @@ def test_run_all_collects_results_and_records_failures(tmp_path):
 
 
 def test_run_all_discovers_the_repo_benchmarks():
-    names = {s["name"] for s in run_all.discover()}
-    assert "quality" in names and "run_all" not in names
-    q = next(s for s in run_all.discover() if s["name"] == "quality")
-    assert q["quick"] is True
+    found = {s["name"]: s for s in run_all.discover()}
+    assert {"quality", "economics", "cache_io", "plan_accuracy"} <= set(found)
+    assert not {"run_all", "harness", "__init__", "quality_train"} & set(found)  # no main
+    assert found["quality"]["module"] == "bench.quality" and found["quality"]["quick"] is True
+    assert found["economics"]["quick"] is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,10 +367,8 @@ def test_quality_quick_end_to_end(tmp_path):
     assert f"{full_final:.1f}" in md
 
 
-def test_global_order_reader_is_a_permutation_and_is_restored():
+def test_global_order_reader_is_a_permutation():
     import torch
-
-    import preinfer.visit as visit
 
     class FakeCache:
         num_samples = 40
@@ -372,16 +377,44 @@ def test_global_order_reader_is_a_permutation_and_is_restored():
             ids = torch.arange(a, b)
             return ids[:, None, None].float().expand(-1, 2, 3), ids[:, None].expand(-1, 2), ids
 
-    b = quality.GlobalOrderCacheBatches(FakeCache(), batch_size=8, seed=3, shuffle=True)
+    b = GlobalOrderCacheBatches(FakeCache(), batch_size=8, seed=3, shuffle=True)
     rows = torch.cat([lab[:, 0] for _, lab in b.epoch(0)])
     assert sorted(rows.tolist()) == list(range(40)) and rows.tolist() != list(range(40))
     h, lab = next(b.epoch(0))
     assert torch.equal(h[:, 0, 0].long(), lab[:, 0])  # hidden and labels stay aligned
-    ordered = quality.GlobalOrderCacheBatches(FakeCache(), batch_size=8, seed=0, shuffle=False)
+    ordered = GlobalOrderCacheBatches(FakeCache(), batch_size=8, seed=0, shuffle=False)
     assert next(ordered.epoch(0))[1][:, 0].tolist() == list(range(8))
-    orig = visit.CacheBatches
-    with quality._cache_order(True):
-        assert visit.CacheBatches is quality.GlobalOrderCacheBatches
-    assert visit.CacheBatches is orig
-    with quality._cache_order(False):
-        assert visit.CacheBatches is orig
+
+
+def test_arm_hooks_time_evaluations_and_swap_only_cache_batches():
+    """The study's visit hooks (preinfer.visit.VisitHooks): on_eval collects every evaluation's
+    seconds; with global_order, a cache-fed visit trains on GlobalOrderCacheBatches built with
+    its reader's batch size, seed and shuffle, a token-fed visit keeps its batches."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from preinfer.visit import VisitHooks
+
+    durations: list[float] = []
+    hooks = arm_hooks(durations)
+    assert isinstance(hooks, VisitHooks) and hooks.batches is None
+    hooks.on_eval(None, 4, 1.5, 0.25)
+    hooks.on_eval(None, 8, 1.4, 0.5)
+    assert durations == [0.25, 0.5]
+    assert arm_hooks([], global_order=True).batches is global_order_batches
+
+    class FakeCache:
+        num_samples = 16
+
+        def read_rows(self, a, b, dtype):
+            ids = torch.arange(a, b)
+            return ids[:, None, None].float().expand(-1, 2, 3), ids[:, None].expand(-1, 2), ids
+
+    default = SimpleNamespace(batch_size=4, seed=7, shuffle=False, steps_per_epoch=4)
+    tokens = SimpleNamespace(from_cache=False)
+    assert global_order_batches(tokens, default) is default
+    cached = SimpleNamespace(from_cache=True, train_cache=FakeCache())
+    got = global_order_batches(cached, default)
+    assert isinstance(got, GlobalOrderCacheBatches)
+    assert (got.batch_size, got.seed, got.shuffle, got.steps_per_epoch) == (4, 7, False, 4)

@@ -235,8 +235,8 @@ def test_report_without_metrics_is_a_clear_error(tmp_path):
 def test_report_real_tiny_run(tiny_run):
     """The real thing: a tiny rotation (block 0 from tokens, boundary 1 built, 2 refreshed),
     then an eval; the report's numbers are the run's."""
-    from pipelines.evaluate import run_eval
-    from pipelines.rotate import run_bcd
+    from pipelines.bcd import run_bcd
+    from pipelines.eval import run_eval
 
     cfg = tiny_run("train.max_steps=3", "train.eval_every=0", "train.eval_batches=1")
     run_bcd(cfg, log=quiet)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from core.config import ConfigError
-from pipelines.cache_cli import check_fingerprint
 from pipelines.cli import main
+from storage.layout import check_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ("preinfer", "pipelines", "storage", "bench")
