@@ -7,8 +7,9 @@ SET     ?=
 SETARGS := $(foreach s,$(SET),--set $(s))
 CLI     := $(PY) -m pipelines.cli
 PYTEST_WORKERS ?=
+OUT     ?= runs/export
 
-.PHONY: setup test test-slow test-cluster lint format demo tokenize init preinfer refresh train bcd eval plan report study bench clean
+.PHONY: setup test test-slow test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench clean
 
 setup: $(STAMP)
 
@@ -60,6 +61,9 @@ bcd: $(STAMP)
 
 eval: $(STAMP)
 	$(CLI) eval --config $(CONFIG) $(SETARGS)
+
+export: $(STAMP)
+	$(CLI) export --config $(CONFIG) --out $(OUT) $(SETARGS)
 
 plan: $(STAMP)
 	$(CLI) plan --config $(CONFIG) $(SETARGS)

@@ -8,12 +8,13 @@ Public surface: the stage functions, as the CLI and the benchmarks call them.
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import build_cache, refresh_cache
 from pipelines.eval import run_eval
+from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.tokenize import run_tokenize
 from pipelines.train import run_train
 
 __all__ = [
-    "build_cache", "refresh_cache", "run_bcd", "run_eval", "run_init", "run_report",
+    "build_cache", "refresh_cache", "run_bcd", "run_eval", "run_export", "run_init", "run_report",
     "run_tokenize", "run_train",
 ]  # fmt: skip

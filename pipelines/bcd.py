@@ -26,7 +26,8 @@ from preinfer.cache_identity import Sources, plan_caches, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.guards import check_disk_for_cache, warn_trainer_memory
-from preinfer.visit import VisitHooks, append_metrics, last_visit_summary
+from preinfer.metrics import append_metrics, last_visit_summary
+from preinfer.visit import VisitHooks
 from storage import fs
 from storage.atomic import dir_bytes, write_json
 from storage.layout import is_complete

@@ -291,7 +291,7 @@ def _local_records(cfg: Config, items: list[dict], worker_kw: dict):
 def _ray_records(cfg: Config, items: list[dict], worker_kw: dict):
     import ray
 
-    ensure_ray()
+    ensure_ray(cfg.run.verbose)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

@@ -16,6 +16,7 @@ from pipelines.bcd import run_bcd
 from pipelines.cache_build import build_cache, refresh_cache
 from pipelines.demo import run_demo
 from pipelines.eval import run_eval
+from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.tokenize import run_tokenize
@@ -63,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="val loss and perplexity of the checkpoint")
     _common(p)
     p.add_argument("--batches", type=int, default=0, help="val batches (0 = all)")
+
+    p = sub.add_parser(
+        "export", help="the checkpoint + tokenizer as a Hugging Face transformers directory"
+    )
+    _common(p)
+    p.add_argument("--out", required=True, help="directory to write (created; must be empty)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
 
     p = sub.add_parser(
         "demo", help="the whole pipeline on the built-in corpus, printing what it did"
@@ -153,6 +161,12 @@ def _cmd_init(args) -> int:
 def _cmd_eval(args) -> int:
 
     res = run_eval(_load(args), max_batches=args.batches)
+    print(json.dumps(res))
+    return 0
+
+
+def _cmd_export(args) -> int:
+    res = run_export(_load(args), args.out, force=args.force)
     print(json.dumps(res))
     return 0
 
@@ -250,6 +264,7 @@ COMMANDS = {
     "tokenize": _cmd_tokenize,
     "init": _cmd_init,
     "eval": _cmd_eval,
+    "export": _cmd_export,
     "demo": _cmd_demo,
     "cache": _cmd_cache,
     "train": _cmd_train,

@@ -9,7 +9,7 @@ from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast, resolve_device
 from preinfer.loss import evaluate_tokens
-from preinfer.visit import append_metrics
+from preinfer.metrics import append_metrics
 from storage.tokens import TokenStore
 
 

@@ -11,7 +11,10 @@ import os
 from preinfer.config import Config
 
 
-def ensure_ray() -> None:
+def ensure_ray(verbose: bool = False, log=print) -> None:
+    """Join the cluster of a Ray job, or start a private instance. verbose (run.verbose):
+    worker processes' output and Ray's own log lines reach this terminal; otherwise they stay
+    in Ray's session logs, whose directory is said once."""
     import ray
 
     if ray.is_initialized():
@@ -19,11 +22,15 @@ def ensure_ray() -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     address = os.environ.get("RAY_ADDRESS")
-    kwargs = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
+    kwargs = {"include_dashboard": False, "log_to_driver": verbose, "configure_logging": False}
     if address:
         ray.init(address=address, **kwargs)
     else:
         ray.init(**kwargs, runtime_env={"worker_process_setup_hook": _quiet_workers()})
+    if not verbose:
+        log(
+            "  Ray's logs: /tmp/ray/session_latest/logs on each node (run.verbose=true shows them here)"
+        )
 
 
 # Ray Train's placement-group cleaner asks the state API whether the train controller is alive;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 from preinfer.config import Config
 from storage import fs
@@ -237,10 +238,25 @@ def collect(cfg: Config) -> dict:
         "blocks": blocks,
         "timings": timings,
         "caches_in_use": state.get("caches_in_use", []),
+        "run_config": _recorded_config(cfg),
         "model_config": (ckpt or {}).get("model_config"),
         "data_config": (tokens.get("config") or {}).get("data"),
         "num_step_records": sum(len(v["step_records"]) for v in visits),
     }
+
+
+def _recorded_config(cfg: Config) -> SimpleNamespace | None:
+    """The train, cache and run settings the run recorded (`bcd` writes <run.dir>/config.json,
+    credentials masked) as attributes; None when there is none or it does not read. Not loaded
+    as a Config: that would configure object storage with the masked credentials."""
+    p = Path(cfg.run.dir) / "config.json"
+    try:
+        d = json.loads(p.read_text()) if p.is_file() else None
+        if not isinstance(d, dict):
+            return None
+        return SimpleNamespace(**{k: SimpleNamespace(**d[k]) for k in ("train", "cache", "run")})
+    except (ValueError, TypeError, OSError, KeyError):
+        return None
 
 
 def _visit_span(steps: list[dict], visit: dict) -> tuple[float | None, float | None]:

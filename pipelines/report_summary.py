@@ -32,15 +32,17 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
 
 def _config_rows(cfg: Config, data: dict) -> list[list]:
     """Model and data as the run made them (checkpoint index, token store manifest) when those
-    exist; the rest as given to the report (the run does not record its train/cache settings)."""
-    c = cfg
+    exist; train, cache and run settings from the config the run recorded (`<run.dir>/
+    config.json`, written by `bcd`), else as given to the report."""
+    ran = data.get("run_config")
+    c, given = (ran, "run") if ran is not None else (cfg, "config")
     mc = data.get("model_config") or {}
     dc = data.get("data_config") or {}
     model_src = "checkpoint" if mc else "config"
-    mc = mc or to_dict(c.model)
+    mc = mc or to_dict(cfg.model)
     data_src = "token store" if dc else "config"
-    dc = dc or to_dict(c.data)
-    nb = len(data["blocks"]) or c.partition.num_blocks
+    dc = dc or to_dict(cfg.data)
+    nb = len(data["blocks"]) or cfg.partition.num_blocks
     rows = [
         ["model", model_src, f"{mc.get('arch')}, H={mc.get('hidden_size')}, "
                              f"L={mc.get('num_layers')}, heads={mc.get('num_heads')}, "
@@ -50,13 +52,13 @@ def _config_rows(cfg: Config, data: dict) -> list[list]:
                            f"tokenizer={dc.get('tokenizer')}, vocab={dc.get('vocab_size')}, "
                            f"val_fraction={dc.get('val_fraction')}"],
         ["partition", "checkpoint" if data["blocks"] else "config", f"num_blocks={nb}"],
-        ["train", "config", f"mode={c.train.mode}, rounds={c.train.rounds}, "
+        ["train", given, f"mode={c.train.mode}, rounds={c.train.rounds}, "
                             f"max_steps={c.train.max_steps}, batch_size={c.train.batch_size}, "
                             f"optimizer={c.train.optimizer}, lr={c.train.lr}, "
                             f"eval_every={c.train.eval_every}, workers={c.train.workers}"],
-        ["cache", "config", f"dtype={c.cache.dtype}, codec={c.cache.codec}, "
+        ["cache", given, f"dtype={c.cache.dtype}, codec={c.cache.codec}, "
                             f"shuffle={c.cache.shuffle}, keep={c.cache.keep}, root={c.cache.root}"],
-        ["run", "config", f"dir={c.run.dir}, device={c.run.device}, precision={c.run.precision}"],
+        ["run", given, f"dir={c.run.dir}, device={c.run.device}, precision={c.run.precision}"],
     ]  # fmt: skip
     return rows
 

@@ -19,7 +19,8 @@ from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config, config_from_dict
 from preinfer.device import resolve_device
 from preinfer.guards import warn_trainer_memory
-from preinfer.visit import Visit, VisitHooks, VisitSpec, last_visit_summary
+from preinfer.metrics import last_visit_summary
+from preinfer.visit import Visit, VisitHooks, VisitSpec
 from storage.tokens import TokenStore
 
 
@@ -119,7 +120,7 @@ def run_train(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    ensure_ray()
+    ensure_ray(cfg.run.verbose, log=log)
     use_gpu = cfg.run.device != "cpu" and gpus_available()
     trainer = TorchTrainer(
         _worker_loop,

@@ -39,6 +39,10 @@ class RunConfig:
     """Where compute runs; auto = cuda when available."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision; auto = bf16 autocast on GPU, fp32 on CPU."""
+    verbose: bool = False
+    """Show Ray's own log lines and its workers' output here (else they stay in Ray's session logs)."""
+    tensorboard: bool = True
+    """Mirror metrics.jsonl to TensorBoard under <run.dir>/tensorboard (when the package is installed)."""
 
     def __post_init__(self):
         if not self.dir:

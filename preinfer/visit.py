@@ -11,7 +11,6 @@ Library code: no Ray. `pipelines/train.py` runs it on Ray Train workers (rank, w
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast
 from preinfer.loss import mode_loss
+from preinfer.metrics import append_metrics
 from preinfer.partition import trainable_parameters
 from preinfer.trainer import (
     CacheBatches,
@@ -59,25 +59,6 @@ class VisitSpec:
 
 def state_path(cfg: Config, spec: VisitSpec) -> Path:
     return Path(cfg.run.dir) / "train_state" / f"r{spec.round}-b{spec.block}-{spec.mode}.pt"
-
-
-def append_metrics(cfg: Config, record: dict) -> None:
-    path = Path(cfg.run.dir) / "metrics.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def last_visit_summary(cfg: Config) -> dict:
-    """The newest "visit" record of the run's metrics.jsonl ({} if none)."""
-    last: dict = {}
-    path = Path(cfg.run.dir) / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("event") == "visit":
-                last = rec
-    return last
 
 
 def _save_state(path: Path, state: dict) -> None:

@@ -262,3 +262,24 @@ def test_cache_sizes_never_read_outside_the_cache_root(tmp_path):
     (tmp_path / "outside" / "manifest.json").write_text('{"num_samples": 9}')
     assert _cache_info(root, "ab12cd34") == {"num_samples": 3}
     assert _cache_info(root, "../outside") is None  # e.g. a hand-edited state.json
+
+
+def test_report_describes_the_run_as_it_ran(tiny_run):
+    """The config table comes from the run's recorded config.json, not the report's config."""
+    import json as _json
+    from pathlib import Path as _Path
+
+    from pipelines.report_data import _recorded_config
+    from pipelines.report_summary import _config_rows
+
+    ran = tiny_run("cache.dtype=fp32", "train.rounds=2")
+    _Path(ran.run.dir, "config.json").write_text(_json.dumps(ran.to_dict()))
+    asked = tiny_run("cache.dtype=bf16")
+    rows = {r[0]: r for r in _config_rows(asked, {"run_config": _recorded_config(asked),
+                                                  "blocks": []})}  # fmt: skip
+    assert rows["cache"][1] == "run" and "dtype=fp32" in rows["cache"][2]
+    assert "rounds=2" in rows["train"][2]
+    _Path(ran.run.dir, "config.json").unlink()
+    rows = {r[0]: r for r in _config_rows(asked, {"run_config": _recorded_config(asked),
+                                                  "blocks": []})}  # fmt: skip
+    assert rows["cache"][1] == "config" and "dtype=bf16" in rows["cache"][2]
