@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 SELF = Path(__file__).resolve().name
+NOT_IN_SUITE = ("gpu_check.py",)  # needs a GPU machine: bash bench/gpu_check.sh
 
 # Runs in the child (cwd: the directory holding the bench package): import the benchmark
 # module, call its main, write what it returned.
@@ -71,7 +72,7 @@ def discover(bench_dir: Path = BENCH) -> list[dict]:
     --quick. Each record: name (the file's stem), module (`<package>.<name>`), path, quick."""
     found = []
     for path in sorted(bench_dir.glob("*.py")):
-        if path.name in (SELF, "__init__.py") or path.name.startswith("_"):
+        if path.name in (SELF, "__init__.py", *NOT_IN_SUITE) or path.name.startswith("_"):
             continue
         rec = {"name": path.stem, "module": f"{bench_dir.name}.{path.stem}", "path": path}
         try:

@@ -1,0 +1,137 @@
+"""GPU check: what only a GPU machine can show, in one short run and one JSON file.
+
+    bash bench/gpu_check.sh [OUT_DIR]      # from the source tree, no install; <= 8 min on 1 GPU
+
+Steps (each recorded, a failure does not stop the others):
+  imports    every package the project needs, by name (the GPU machine's own torch and Python)
+  parity     the exactness tests on CUDA (pytest -k: cache == forward, refresh == build,
+             a step from the cache == the same step recomputed)
+  demo       the demo with bf16 autocast training from the cache (run.device=cuda)
+  memory     torch.cuda.max_memory_allocated of a cache-fed visit (last block) and of a build,
+             beside the planner's estimates
+  throughput a cache build against the bare forward of the same prefix, on the GPU
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NEEDED = ["torch", "ray", "zarr", "numcodecs", "pyarrow", "datasets", "transformers",
+          "tokenizers", "safetensors", "yaml", "tqdm", "numpy", "psutil", "pytest"]  # fmt: skip
+PARITY = "cache_equals or refresh_equals or recomputed or bf16_cache"
+
+
+def step_imports() -> dict:
+    missing, versions = [], {}
+    for name in NEEDED:
+        try:
+            versions[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as e:  # noqa: BLE001 -- any import failure is a finding
+            missing.append(f"{name}: {type(e).__name__}: {e}")
+    import torch
+
+    return {"ok": not missing, "missing": missing, "versions": versions,
+            "cuda": torch.cuda.is_available(),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "python": sys.version.split()[0]}  # fmt: skip
+
+
+def step_parity(out: Path) -> dict:
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_preinfer.py", "tests/test_train.py", "-k", PARITY],
+                       cwd=ROOT, capture_output=True, text=True, timeout=360)  # fmt: skip
+    (out / "parity.log").write_text(r.stdout + r.stderr)
+    return {"ok": r.returncode == 0, "tail": (r.stdout + r.stderr)[-1500:]}
+
+
+def step_demo(out: Path) -> dict:
+    from pipelines.demo import run_demo
+    from preinfer.config import load_config
+
+    cfg = load_config(ROOT / "configs/demo.yaml", [f"run.dir={out / 'demo'}", "run.device=cuda",
+                                                   "run.precision=bf16"])  # fmt: skip
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    res = run_demo(cfg, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    (out / "demo.log").write_text("\n".join(lines))
+    return {"ok": True, "seconds": time.perf_counter() - t0, "ppl_before": res["before"]["ppl"],
+            "ppl_after": res["after"]["ppl"]}  # fmt: skip
+
+
+def step_memory(out: Path) -> dict:
+    import torch
+
+    from pipelines.cache_build import build_cache
+    from preinfer.cache_identity import plan_caches
+    from preinfer.checkpoint import Checkpoint
+    from preinfer.config import load_config
+    from preinfer.guards import warn_trainer_memory
+    from preinfer.memory import model_shape, preinfer_memory, setup_for
+    from preinfer.visit import Visit, VisitSpec
+
+    cfg = load_config(ROOT / "configs/demo.yaml", [f"run.dir={out / 'demo'}", "run.device=cuda",
+                                                   "preinfer.executor=local"])  # fmt: skip
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    M = ckpt.num_blocks
+    res = {}
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    build_cache(cfg, M - 1, round_=9, log=lambda *a, **k: None)  # a round the demo never made
+    res["build_measured"] = torch.cuda.max_memory_allocated() - base
+    sh = model_shape(cfg.model)
+    p = setup_for(cfg, sh, target="gpu")
+    res["build_estimate"] = preinfer_memory(sh, ckpt.partition, M - 1, p)["peak"]
+    plans = {q.split: q.fingerprint for q in plan_caches(cfg, M - 1, 9, create=False)}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    spec = VisitSpec(block=M - 1, round=9, cache_train=plans["train"], cache_val=plans["val"])
+    cfg.train.max_steps = 10
+    Visit(cfg, spec, device=torch.device("cuda")).run(log=lambda *a, **k: None)
+    res["trainer_measured"] = torch.cuda.max_memory_allocated() - base
+    res["trainer_estimate"] = warn_trainer_memory(cfg, block=M - 1, log=lambda *a: None)["peak"]
+    res["ok"] = True
+    for k in ("build", "trainer"):
+        res[f"{k}_error"] = res[f"{k}_estimate"] / max(res[f"{k}_measured"], 1) - 1
+    return res
+
+
+def step_throughput(out: Path) -> dict:
+    r = subprocess.run([sys.executable, "-m", "bench.preinfer_throughput", "--quick",
+                        "--arms", "throughput", "--repeats", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    (out / "throughput.log").write_text(r.stdout + r.stderr)
+    return {"ok": r.returncode == 0, "tail": (r.stdout + r.stderr)[-1500:]}
+
+
+def main(argv=None) -> dict:
+    out = Path((argv or sys.argv[1:] or ["runs/gpu_check"])[0]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res["imports"] = step_imports()
+    for name, fn in (("parity", step_parity), ("demo", step_demo), ("memory", step_memory),
+                     ("throughput", step_throughput)):  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            res[name] = fn(out)
+        except Exception as e:  # noqa: BLE001 -- record and go on to the next step
+            res[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                         "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+        res[name]["seconds"] = time.perf_counter() - t0
+        print(f"gpu_check {name}: {'ok' if res[name].get('ok') else 'FAILED'} "
+              f"({res[name]['seconds']:.0f}s)", flush=True)  # fmt: skip
+    path = out / "gpu_check.json"
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(f"gpu_check: {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
