@@ -37,16 +37,16 @@ from pathlib import Path
 import torch
 
 from bench.harness import headline_table, load_average, results_path, write_results
-from pipelines.evaluate import run_eval
+from pipelines.bcd import load_state, run_bcd
+from pipelines.eval import run_eval
 from pipelines.init import run_init
-from pipelines.rotate import load_state, run_bcd
 from pipelines.tokenize import run_tokenize
 from preinfer.adapters import forward_blocks
 from preinfer.cache_identity import store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.costmodel import Flops, run_flops
-from preinfer.evaluation import evaluate_tokens
+from preinfer.loss import evaluate_tokens
 from preinfer.memory import model_shape
 from preinfer.visit import VisitHooks
 from storage.tokens import TokenStore

@@ -121,3 +121,17 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path):
     found = _imports("storage.x2", a, {"storage.x", "pipelines.cli"})
     assert [m for m, _ in found] == ["storage.x", "pipelines.cli"]
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_every_module_imports():
+    """Every module of every layer imports (a rename that missed an importer fails here, not
+    in a benchmark an hour later)."""
+    import importlib
+
+    failed = []
+    for mod in sorted(_modules()):
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001 -- collect every failure
+            failed.append(f"{mod}: {type(e).__name__}: {e}")
+    assert not failed, "\n".join(failed)
