@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from preinfer.cache_identity import compute_choice, plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.device import torch_dtype
+from storage.layout import remove_cache
 from storage.tokens import TokenStore
 
 
@@ -92,7 +92,7 @@ def timed_build(cfg, block: int, fn=build_cache, phases: list | None = None) -> 
     """Seconds of one build (or refresh) of boundary `block`, its old caches removed first;
     appends the workers' summed phase seconds ({read_s, compute_s, write_s}) to `phases`."""
     for p in plan_caches(cfg, block, create=False):
-        shutil.rmtree(Path(cfg.cache.root) / p.fingerprint, ignore_errors=True)
+        remove_cache(cfg.cache.root, p.fingerprint)
     t0 = time.perf_counter()
     res = fn(cfg, block, log=quiet)
     assert res["action"] in ("built", "refreshed"), res

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from core.config import ConfigError
 from pipelines.cache_build import build_cache, refresh_cache
 from pipelines.train import run_train
 from preinfer.cache_identity import Sources, plan_caches, store_budget
@@ -30,7 +31,7 @@ from preinfer.metrics import append_metrics, last_visit_summary
 from preinfer.visit import VisitHooks
 from storage import fs
 from storage.atomic import dir_bytes, write_json
-from storage.layout import is_complete
+from storage.layout import check_fingerprint, is_complete, remove_cache
 from storage.tokens import TokenStore
 
 
@@ -105,15 +106,27 @@ def ensure_cache(
 
 
 def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> None:
-    """Bounded disk: remove complete caches this run made that it no longer needs."""
+    """Bounded disk: remove complete caches this run made that it no longer needs.
+
+    The fingerprints come from state.json, a file: every one is checked to be a fingerprint
+    (hex, nothing that walks out of cache.root) before anything is deleted."""
     if cfg.cache.keep:
         return
+    fps = []
     for ev in state["events"]:
-        for fp in ev.get("fingerprints", {}).values():
-            path = fs.path(cfg.cache.root) / fp
-            if fp not in keep and path.is_dir():
-                fs.rmtree(path)
-                log(f"  dropped cache {fp[:12]} (no longer needed; cache.keep=false)")
+        for fp in (ev.get("fingerprints") or {}).values():
+            try:
+                fps.append(check_fingerprint(fp))
+            except ConfigError as e:
+                raise ConfigError(
+                    f"{_state_path(cfg)} names a cache that is not a fingerprint ({e}); it was "
+                    "edited or damaged: nothing was deleted. Fix or remove that entry (or use "
+                    "a fresh run.dir) and rerun"
+                ) from None
+    for fp in dict.fromkeys(fps):
+        if fp not in keep and (fs.path(cfg.cache.root) / fp).is_dir():
+            remove_cache(cfg.cache.root, fp)  # manifest first: never complete, shards missing
+            log(f"  dropped cache {fp[:12]} (no longer needed; cache.keep=false)")
 
 
 def run_bcd(

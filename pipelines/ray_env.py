@@ -26,6 +26,9 @@ def ensure_ray(verbose: bool = False, log=print) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
+        # the private instance is this run's own: it reports no usage stats anywhere (read by
+        # ray.init and by the processes it starts, so set before it)
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
         ray.init(**kwargs, runtime_env={"worker_process_setup_hook": _quiet_workers()})
     if not verbose:
         log(

@@ -23,6 +23,7 @@ from preinfer.tokenization import DataConfig
 from preinfer.trainer import TrainConfig
 from storage import fs
 from storage.config import CacheConfig, StorageConfig
+from storage.shard_codec import set_codec_threads
 
 
 @dataclass(kw_only=True)
@@ -83,6 +84,7 @@ class Config:
         self.cache.root = _absolute(self.cache.root)
 
         fs.configure(self.storage)  # options of s3:// paths in this process (and Ray workers)
+        set_codec_threads(self.cache.codec_threads)
         if self.model.checkpoint is None and self.data.seq_len > self.model.max_positions:
             raise ConfigError(
                 f"data.seq_len ({self.data.seq_len}) is larger than model.max_positions "

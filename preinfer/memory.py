@@ -63,19 +63,10 @@ PRECISIONS = {
 # per-tensor loop, x all active params on GPU's foreach path): adam adds the weight-decay copy.
 OPT_STATE = {"sgd": 4, "adam": 8, "adamw": 8}
 OPT_TEMP = {"cpu": {"sgd": 1, "adam": 3, "adamw": 2}, "gpu": {"sgd": 1, "adam": 1, "adamw": 1}}
-# CPU-only constants, measured (not derived) by `bench/plan_accuracy.py --calibrate` on a minimal
-# model and on configs/llama-small.yaml at two shard sizes, never on the configs the bench
-# validates (demo, gpt2-small); last run 2026-11-29 20:20 (bench/results/
-# plan_accuracy-calibrate-20261129-2020.log), which gave RUNTIME load 4 MiB, trainer 59 / 55 MiB
-# and CPU_ALLOC 1.46 (1.42 kept). The pre-inference terms are not identifiable from its fits
-# (RUNTIME preinfer and cache_write's fixed part trade off; its one-shard-per-call runs suggested
-# CPU_INFER 3.09, cache_write (68 MiB, 1.23)): CPU_INFER, cache_write and RUNTIME preinfer are
-# set by hand from the earlier fits and left as they are; with them the calibration configs'
-# pre-inference arms are within 11% and the validated ones within 15%. Since 2026-11-30 workers
-# run with two malloc arenas (preinfer/hostmem.py) and --calibrate measures a refresh too
-# (plan_accuracy-calibrate-arena2-20261130-0000.log): the builds' fixed part measured from the
-# compute phase is 40-57 MiB (53 kept), a refresh's 9 and 21 MiB (15: "preinfer-refresh").
-# Re-measure when storage/, the trainer or the libraries change.
+# CPU-only constants, measured (not derived) by `python -m bench.plan_accuracy --calibrate` on
+# a minimal model and configs/llama-small.yaml, never on the configs the bench validates; how
+# each was set and when: docs/planner.md ("Calibration history"). Re-measure when storage/, the
+# trainer or the libraries change.
 # RUNTIME: fixed peak-RSS growth of each code path. CPU_ALLOC: RSS per live byte of activations
 # (glibc keeps the forward's freed temporaries in its heap). CPU_INFER: the same for the bf16
 # inference working set. HOST_IO: (fixed bytes, RSS per byte) of the data a reader or writer

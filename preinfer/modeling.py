@@ -105,8 +105,14 @@ def resolve_package_path(spec: str, key: str) -> Path:
     return base / sub if sub else base
 
 
+# weight files of a checkpoint that only a pickle loader reads: refused (safetensors only)
+PICKLE_WEIGHTS = (".bin", ".bin.index.json", ".pt", ".pth", ".ckpt", ".pkl")
+
+
 def resolve_checkpoint_path(spec: str) -> Path:
-    """A local HF checkpoint dir from `model.checkpoint` (a path or `pkg:<module>/<subdir>`)."""
+    """A local HF checkpoint dir from `model.checkpoint` (a path or `pkg:<module>/<subdir>`):
+    config.json and safetensors weights (a directory holding only pickled .bin weights is
+    refused, with how to convert it)."""
     path = resolve_package_path(spec, "model.checkpoint")
     if not path.is_dir():
         raise ConfigError(
@@ -116,6 +122,19 @@ def resolve_checkpoint_path(spec: str) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(
             f"model.checkpoint {spec!r}: {path} has no config.json; it is not an HF checkpoint dir"
+        )
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in path.iterdir() if p.name.endswith(PICKLE_WEIGHTS))
+        what = (
+            f"holds only PyTorch pickle weights ({', '.join(pickled[:3])}), which preinfer does "
+            "not load (unpickling can run code)"
+            if pickled
+            else "has no *.safetensors weights"
+        )
+        raise ConfigError(
+            f"model.checkpoint {spec!r}: {path} {what}; convert the checkpoint to safetensors "
+            "(load it once with transformers from a copy you trust and save_pretrained() it to a "
+            "new directory: that writes model.safetensors), then point model.checkpoint there"
         )
     return path
 
@@ -375,6 +394,7 @@ def build_model(
                     dtype=torch.float32,
                     attn_implementation=ATTN_IMPLEMENTATION,
                     output_loading_info=True,
+                    use_safetensors=True,  # never a pickle (.bin) fallback
                 )
             if loading.get("mismatched_keys") or loading.get("error_msgs"):
                 raise ConfigError(

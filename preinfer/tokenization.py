@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -143,14 +144,27 @@ def _iter_local(paths: list[str], text_field: str) -> Iterator[Document]:
         yield from _iter_datasets(ds, field, f.name)
 
 
-def _iter_hf(spec: str, text_field: str, split: str) -> Iterator[Document]:
-    import os
+HF_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
+
+def force_hf_offline() -> None:
+    """HF datasets / hub reach no network, whatever the environment says: the variables are
+    assigned (a 0 there does not turn offline mode off) before `datasets` is imported, and the
+    flags of modules already imported, which read them once at import, are set as well."""
+    for key in HF_OFFLINE_ENV:
+        os.environ[key] = "1"
+    import datasets.config
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def _iter_hf(spec: str, text_field: str, split: str) -> Iterator[Document]:
+    force_hf_offline()  # before the import: datasets reads the environment once, when imported
     import datasets
 
     name, _, conf = spec.partition(":")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         ds = datasets.load_dataset(name, conf or None, split=split)
     except Exception as e:

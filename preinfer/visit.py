@@ -11,15 +11,18 @@ Library code: no Ray. `pipelines/train.py` runs it on Ray Train workers (rank, w
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from core import faults
+from core.config import ConfigError
 from preinfer.cache_identity import row_order, sample_indices, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
@@ -41,6 +44,10 @@ from storage.reader import open_cache
 from storage.tokens import TokenStore
 
 STATE_VERSION = 1
+
+
+class TrainingDiverged(ConfigError):
+    """A visit's loss or trainable weights became NaN/inf: nothing was committed."""
 
 
 @dataclass(kw_only=True)
@@ -254,6 +261,8 @@ class Visit:
             )
             tokens += batch[1].numel() * self.world
             step += 1
+            if not math.isfinite(loss):  # a float already: no extra device sync
+                self._diverged(spath, step, f"the training loss is {loss}")
             rec = {
                 "event": "step",
                 "mode": spec.mode,
@@ -310,11 +319,36 @@ class Visit:
             "trainable_params": sum(p.numel() for p in self.params),
             "spec": asdict(spec),
         }
+        bad_params = self._non_finite_params()
+        if bad_params:
+            self._diverged(spath, step, f"{bad_params} trainable tensor(s) hold NaN/inf values")
         if self.rank == 0:
             self.commit()
             append_metrics(cfg, summary)
             spath.unlink(missing_ok=True)
         return summary
+
+    def _non_finite_params(self) -> int:
+        """How many trainable tensors hold a NaN or inf (one device sync for all of them)."""
+        if not self.params:
+            return 0
+        with torch.no_grad():
+            ok = torch.stack([torch.isfinite(p).all() for p in self.params])
+        return int((~ok).sum().item())
+
+    def _diverged(self, spath: Path, step: int, what: str) -> NoReturn:
+        """Stop a visit whose training went non-finite; nothing is committed, and the visit's
+        mid-block state is dropped (it is on the diverging path) so a rerun starts it over."""
+        spec = self.spec
+        if self.rank == 0:
+            spath.unlink(missing_ok=True)
+        raise TrainingDiverged(
+            f"training diverged in round {spec.round}, block {self.K}, step {step} "
+            f"({spec.mode}): {what}; nothing was committed (the checkpoint is as it was before "
+            f"this visit). Lower train.lr (now {self.tc.resolved_optim()['lr']:g} with "
+            f"{self.tc.optimizer}; keep train.grad_clip > 0, now {self.tc.grad_clip:g}) and rerun "
+            "the same command"
+        )
 
     def commit(self) -> None:
         blocks = range(self.M) if self.spec.mode == "full" else [self.K]

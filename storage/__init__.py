@@ -8,6 +8,11 @@ The public surface, for reusing a cache you paid for (probes, SAEs, distillation
     hidden, labels, sample_ids = cache.read_rows(0, 64)     # (64, S, H) fp32, (64, S), (64,)
     ds = CacheDataset(cache, batch_size=16)                  # a torch IterableDataset
     hf = to_hf_dataset(cache)                                # a `datasets.Dataset` view
+
+These are functions of a Cache, not methods: storage.dataset and storage.hf_view import
+storage.reader, so a method on Cache would make an import cycle. to_hf_dataset streams the
+cache shard by shard into memory-mapped Arrow files (HF's datasets cache, or cache_dir=).
+examples/probe.py trains a linear probe on a cache with these imports.
 """
 
 from storage.cache import CacheWriter

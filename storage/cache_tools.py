@@ -12,7 +12,16 @@ from pathlib import Path
 
 from storage import atomic, fs
 from storage.atomic import dir_bytes
-from storage.layout import BUILD, DONE, HIDDEN, MANIFEST, CacheError, CacheIncomplete, read_json
+from storage.layout import (
+    BUILD,
+    DONE,
+    HIDDEN,
+    MANIFEST,
+    CacheError,
+    CacheIncomplete,
+    read_json,
+    remove_cache,
+)
 from storage.manifest import validate_manifest
 from storage.reader import open_cache
 
@@ -119,7 +128,7 @@ def gc_caches(
         reason = "not in keep set" if complete else "incomplete (no manifest)"
         size = dir_bytes(d)
         if not dry_run:
-            fs.rmtree(d)
+            remove_cache(root, fp)  # manifest first: never complete with shards missing
         out.append((fp, reason, size))
     return out
 

@@ -25,12 +25,16 @@ class CacheConfig:
     """Compression level (zstd / blosc-zstd)."""
     shard_mb: float = 256.0
     """Target uncompressed size of one shard (one writer task) in MiB."""
+    codec_threads: int | None = None
+    """Threads (de)compressing a shard's chunks in parallel, per process; null = min(4, CPUs), 1 = none."""
     keep: bool = False
     """Keep boundary K-1's cache after boundary K exists (else the rotation drops it)."""
 
     def __post_init__(self):
         if not 1 <= self.level <= 22:
             raise ConfigError(f"cache.level must be in 1..22, got {self.level}")
+        if self.codec_threads is not None and self.codec_threads < 1:
+            raise ConfigError(f"cache.codec_threads must be >= 1 or null, got {self.codec_threads}")
         if self.shard_mb <= 0:
             raise ConfigError(f"cache.shard_mb must be > 0, got {self.shard_mb}")
         if self.shuffle != "none" and self.codec != "blosc-zstd":

@@ -5,6 +5,7 @@ docstring draws the layout; storage/cache.py re-exports all of this).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -92,6 +93,37 @@ def free_disk_bytes(path: str | Path) -> int:
 def is_complete(root: str | Path, fingerprint: str) -> bool:
     """True if `<root>/<fingerprint>` has its manifest (checksums are the reader's job)."""
     return (fs.path(root) / fingerprint / MANIFEST).is_file()
+
+
+def remove_cache(root: str | Path, name: str) -> None:
+    """Delete the cache `<root>/<name>`, local or on an object store: its manifest.json FIRST
+    (and, locally, durably), then the rest, hidden.zarr/ last. A delete interrupted at any point
+    therefore leaves an incomplete cache (no manifest: readers refuse it, a build of that
+    fingerprint rewrites what is missing) that `cache gc` still recognizes and removes, never a
+    complete-looking one with shards gone. The one way a cache directory is deleted."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise CacheError(f"{name!r} is not a cache directory name under {root}; nothing deleted")
+    d = fs.path(root) / name
+    local = not fs.is_url(d)
+    if local and d.is_symlink():
+        d.unlink()  # the link only: never what it points at (outside the root, maybe)
+        return
+    (d / MANIFEST).unlink(missing_ok=True)  # from here on the cache reads as incomplete
+    if local:
+        if not d.is_dir():
+            return
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the manifest's removal reaches the disk before any shard's
+        finally:
+            os.close(fd)
+    # hidden.zarr/ last: until the very end the leftovers still look like a cache to gc
+    for p in sorted(d.iterdir(), key=lambda p: p.name == HIDDEN):
+        if p.is_dir():
+            fs.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    fs.rmtree(d)  # the emptied directory (and anything written meanwhile)
 
 
 def check_marker(cache_dir: Path, marker: dict, *, verify: bool = True) -> str | None:

@@ -1,5 +1,7 @@
-"""Readers of a complete activation cache: `open_cache` -> `Cache`; `CacheDataset`
-(storage/dataset.py) and the HF view (storage/hf_view.py) are re-exported here.
+"""Readers of a complete activation cache: `open_cache` -> `Cache`. The dataset views of a
+Cache are functions of it in the modules above this one, which import it (a method here
+would make an import cycle): `CacheDataset(cache, batch_size)` (storage/dataset.py) and
+`to_hf_dataset(cache)` (storage/hf_view.py), both exported by `storage`.
 
 Every shard read checks the checksum (xxh3_128: tens of GB/s, a small fraction of the read) of
 the bytes it decodes against the manifest, so a flipped bit is a CacheCorrupt naming the shard,
@@ -132,7 +134,12 @@ def open_cache(
 
 
 class Cache:
-    """A complete cache. Rows are samples; hidden [N, S, H]; labels [N, S]."""
+    """A complete cache. Rows are samples; hidden [N, S, H]; labels [N, S].
+
+    As a dataset: `from storage import CacheDataset, to_hf_dataset`, then
+    `CacheDataset(cache, batch_size)` (a DataLoader-ready torch IterableDataset) or
+    `to_hf_dataset(cache)` (a `datasets.Dataset`); examples/probe.py trains on one.
+    """
 
     def __init__(self, cache_dir: Path, manifest: dict, *, check_reads: bool = True):
         self.dir = fs.path(cache_dir)  # a Path, or a RemotePath (s3://...)

@@ -44,12 +44,21 @@ def shard_key(shard: int, ndim: int) -> str:
 # zarr itself (same bytes, slower).
 
 MAX_U64 = 2**64 - 1
-# threads (de)compressing a shard's chunks in parallel (numcodecs releases the GIL); 1 = none
-CODEC_THREADS = int(
-    os.environ.get("PREINFER_CODEC_THREADS")
-    or min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# threads (de)compressing a shard's chunks in parallel (numcodecs releases the GIL); 1 = none;
+# set from cache.codec_threads by set_codec_threads (the root config does, in every process)
+DEFAULT_CODEC_THREADS = min(
+    4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
 )
+CODEC_THREADS = DEFAULT_CODEC_THREADS
 _pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def set_codec_threads(n: int | None) -> None:
+    """Threads per process for chunk (de)compression; None = min(4, this process's CPUs)."""
+    global CODEC_THREADS, _pool
+    want = DEFAULT_CODEC_THREADS if n is None else int(n)
+    if want != CODEC_THREADS:
+        CODEC_THREADS, _pool = want, None  # the next shard gets a pool of the new size
 
 
 def _thread_pool() -> ThreadPoolExecutor | None:

@@ -1,5 +1,8 @@
 """Activation cache readers: refusals, corruption, HF view, DDP/worker splits."""
 
+import tracemalloc
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -17,20 +20,20 @@ from storage.values import stored_dtype
 N, S, H, R = 40, 8, 16, 8  # 5 shards of 8 rows
 
 
-def build(root, fp="fp", dtype="bf16", n=N, rows=R, finalize=True, meta=None):
+def build(root, fp="fp", dtype="bf16", n=N, rows=R, finalize=True, meta=None, s=S, h=H):
     item = stored_dtype(dtype).itemsize
-    c = CacheConfig(dtype=dtype, codec="zstd", shuffle="none", shard_mb=rows * S * H * item / 2**20)
-    labels = np.tile(np.arange(n)[:, None], (1, S))  # label = row id: tests can track rows
+    c = CacheConfig(dtype=dtype, codec="zstd", shuffle="none", shard_mb=rows * s * h * item / 2**20)
+    labels = np.tile(np.arange(n)[:, None], (1, s))  # label = row id: tests can track rows
     w = CacheWriter.create(
         root,
         fp,
         samples=(np.arange(n) + 1000, labels, labels),
-        seq_len=S,
-        hidden_size=H,
+        seq_len=s,
+        hidden_size=h,
         cache_cfg=c,
         meta=meta or {"boundary": 1, "split": "train"},
     )
-    x = torch.randn(n, S, H, generator=torch.Generator().manual_seed(0)) * 4
+    x = torch.randn(n, s, h, generator=torch.Generator().manual_seed(0)) * 4
     x = x.to(torch.bfloat16) if dtype == "bf16" else x
     for i in range(w.num_shards):
         w.write_shard(i, x[slice(*w.shard_range(i))])
@@ -103,7 +106,7 @@ def test_bad_row_ranges(tmp_path):
 def test_hf_view_is_bit_exact(tmp_path, dtype):
     build(tmp_path, dtype=dtype)
     c = open_cache(tmp_path, "fp")
-    ds = to_hf_dataset(c)
+    ds = to_hf_dataset(c, cache_dir=tmp_path / "hf")
     assert len(ds) == N
     stored_type = ds.data.schema.field("hidden").type.storage_type
     assert stored_type.value_type.value_type == pa.from_numpy_dtype(stored_dtype(dtype))
@@ -121,6 +124,48 @@ def test_hf_view_is_bit_exact(tmp_path, dtype):
     assert torch.equal(got, hidden)
     assert np.array_equal(batch["labels"], labels.numpy())
     assert np.array_equal(batch["sample_id"], sids.numpy())
+
+
+def _files(d):
+    return sorted((str(p.relative_to(d)), p.stat().st_size) for p in d.rglob("*"))
+
+
+def test_hf_view_streams_one_shard_at_a_time(tmp_path, monkeypatch):
+    """Over a 10-shard cache the view reads each whole shard once, in order, and the memory it
+    holds (numpy and other Python allocations by tracemalloc, plus Arrow's pool) grows by less
+    than one shard between its first and its last read; the in-memory view it replaced grew by
+    ~9 shards (every shard read so far). The Arrow files go to cache_dir, not into the cache,
+    and a second call reuses them without reading the cache."""
+    import datasets  # noqa: F401  (imported before measuring: the import allocates a lot)
+
+    n, s, h, r = 160, 32, 256, 16  # bf16: 256 KiB a shard, 10 shards
+    build(tmp_path, n=n, rows=r, s=s, h=h)
+    c = open_cache(tmp_path, "fp")
+    assert c.num_shards == 10 and c.rows_per_shard == r
+    before = _files(tmp_path / "fp")
+    real, reads, held = c.read_stored, [], []
+
+    def read_stored(a, b):
+        held.append(tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes())
+        reads.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(c, "read_stored", read_stored)
+    tracemalloc.start()
+    try:
+        ds = to_hf_dataset(c, cache_dir=tmp_path / "hf")
+    finally:
+        tracemalloc.stop()
+    assert reads == [c.shard_range(i) for i in range(c.num_shards)]
+    shard_bytes = r * s * h * 2
+    assert max(held) - held[0] < shard_bytes, [round((x - held[0]) / shard_bytes, 2) for x in held]
+    assert len(ds) == n and ds[n - 1]["sample_id"] == 1000 + n - 1
+    assert ds.cache_files and all(
+        Path(f["filename"]).is_relative_to(tmp_path / "hf") for f in ds.cache_files
+    )
+    assert _files(tmp_path / "fp") == before  # nothing written into the cache
+    again = to_hf_dataset(c, cache_dir=tmp_path / "hf")
+    assert len(reads) == c.num_shards and again.cache_files == ds.cache_files
 
 
 def _rows(batches):

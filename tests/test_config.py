@@ -83,3 +83,16 @@ def test_bad_files(tmp_path):
     bad.write_text("train: 3\n")
     with pytest.raises(ConfigError, match="train: expected a mapping"):
         load_config(bad)
+
+
+def test_codec_threads_come_from_the_config():
+    from storage import shard_codec
+
+    load_config(None, ["cache.codec_threads=1"])
+    assert shard_codec.CODEC_THREADS == 1 and shard_codec._thread_pool() is None
+    load_config(None, ["cache.codec_threads=3"])
+    assert shard_codec.CODEC_THREADS == 3
+    load_config(None)
+    assert shard_codec.CODEC_THREADS == shard_codec.DEFAULT_CODEC_THREADS
+    with pytest.raises(ConfigError, match="codec_threads"):
+        load_config(None, ["cache.codec_threads=0"])

@@ -22,10 +22,11 @@ from core.config import ConfigError
 from pipelines.cli import main as cli
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_format import CheckpointError
+from storage import cache_tools as tools
 from storage import fs
 from storage.cache import CacheWriter
 from storage.config import CacheConfig, StorageConfig
-from storage.layout import MANIFEST, CacheError, CacheIncomplete
+from storage.layout import MANIFEST, CacheError, CacheIncomplete, is_complete
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import TINY, quiet, tiny_cfg
@@ -259,8 +260,6 @@ def test_cache_writes_are_ordered_whole_puts(s3, s3_run, monkeypatch):
     build = json.loads(fs.path(f"{root}/{w.header['fingerprint']}/build.json").read_text())
     assert build["meta"]["config"]["storage"]["secret"] == "***"
     # cache tools on the prefix: ls, inspect, gc (deletes every object of the cache)
-    from storage import cache_tools as tools
-
     fp = w.header["fingerprint"]
     (row,) = tools.list_caches(root)
     assert row["fingerprint"] == fp and row["complete"] and row["done_shards"] == 4
@@ -268,6 +267,59 @@ def test_cache_writes_are_ordered_whole_puts(s3, s3_run, monkeypatch):
     assert tools.gc_caches(root, keep={fp}, dry_run=False) == []
     removed = tools.gc_caches(root, keep=set(), dry_run=False, grace_s=0)
     assert [r[0] for r in removed] == [fp] and keys(root) == []
+
+
+def test_removing_a_cache_deletes_its_manifest_first(s3, s3_run, monkeypatch):
+    """On an object store too: the manifest is DELETEd alone before any other object (a batch
+    delete has no order), so a delete that fails midway leaves an incomplete cache."""
+    root = s3_run().cache.root
+    store = fs.path(root).fs
+    real_rm, real_rm_file = store.rm, store.rm_file
+
+    def complete_cache() -> str:
+        w = _writer(root)
+        rng = np.random.default_rng(0)
+        for i in range(w.num_shards):
+            a, b = w.shard_range(i)
+            w.write_shard(i, rng.standard_normal((b - a, 4, 8)).astype(np.float32))
+        w.finalize()
+        assert is_complete(root, w.header["fingerprint"])
+        return w.header["fingerprint"]
+
+    fp = complete_cache()
+    calls: list[list[str]] = []
+
+    def rm(path, *a, **kw):
+        calls.append(sorted(path) if isinstance(path, list) else [path])
+        return real_rm(path, *a, **kw)
+
+    def rm_file(path, *a, **kw):
+        calls.append([path])
+        return real_rm_file(path, *a, **kw)
+
+    monkeypatch.setattr(store, "rm", rm)
+    monkeypatch.setattr(store, "rm_file", rm_file)
+    tools.gc_caches(root, keep=set(), dry_run=False, grace_s=0)
+    manifest_key = f"{fs.path(root).key}/{fp}/{MANIFEST}"
+    assert calls[0] == [manifest_key]  # first, and alone
+    assert all(manifest_key not in c for c in calls[1:]) and keys(root) == []
+
+    # the second phase fails (network gone): the cache is incomplete, never complete
+    fp = complete_cache()
+
+    def gone(path, *a, **kw):
+        raise ConnectionError("network gone mid-delete")
+
+    monkeypatch.setattr(store, "rm", gone)
+    with pytest.raises(ConnectionError):
+        tools.gc_caches(root, keep=set(), dry_run=False, grace_s=0)
+    assert any("/c/" in k for k in keys(root))  # shards are left...
+    assert not is_complete(root, fp)  # ...in a cache nothing reads as complete
+    with pytest.raises(CacheIncomplete, match="no manifest.json"):
+        open_cache(root, fp)
+    monkeypatch.setattr(store, "rm", real_rm)
+    tools.gc_caches(root, keep=set(), dry_run=False, grace_s=0)  # a later gc removes the rest
+    assert keys(root) == []
 
 
 @pytest.mark.ray

@@ -16,9 +16,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from conftest import tiny_model_config
 from core.config import ConfigError
 from pipelines.cli import main
+from preinfer.modeling import build_model, resolve_checkpoint_path
 from storage.layout import check_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,3 +258,28 @@ def test_checkpoint_block_files_cannot_point_outside_the_checkpoint(tmp_path):
     (ck.path / INDEX).write_text(json.dumps(good))
     assert Checkpoint.open(ck.path).block_file(1) == ck.block_file(1)
     assert (other / name).is_file() and os.path.getsize(other / name) > 0
+
+
+# ------------------------------------------------------------- a pretrained checkpoint dir
+
+
+def test_a_pretrained_checkpoint_with_only_pickled_weights_is_refused(tmp_path):
+    """model.checkpoint loads safetensors only: a directory whose weights are a pickle
+    (pytorch_model.bin, what save_pretrained(safe_serialization=False) wrote) is refused with
+    what to do, before anything is unpickled; the converted directory loads."""
+    src = build_model(tiny_model_config("gpt2"))
+    safe, pickled = tmp_path / "safe", tmp_path / "pickled"
+    src.save_pretrained(safe)  # transformers >= 5 always writes model.safetensors
+    shutil.copytree(safe, pickled)
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"only PyTorch pickle weights \(pytorch_model\.bin\)"):
+        build_model(tiny_model_config("gpt2", checkpoint=str(pickled)))
+    with pytest.raises(ConfigError, match="convert the checkpoint to safetensors"):
+        resolve_checkpoint_path(str(pickled))
+    (pickled / "pytorch_model.bin").unlink()
+    with pytest.raises(ConfigError, match=r"has no \*\.safetensors weights"):
+        build_model(tiny_model_config("gpt2", checkpoint=str(pickled)))
+    loaded = build_model(tiny_model_config("gpt2", checkpoint=str(safe)))
+    for (n, a), (_, b) in zip(src.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n

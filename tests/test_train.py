@@ -1,6 +1,7 @@
 """Block trainer: exactness of training from the cache, frozen blocks, tied weights."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from core.config import ConfigError
 from pipelines.cache_build import build_cache
 from preinfer.checkpoint import Checkpoint
-from preinfer.visit import Visit, VisitSpec
+from preinfer.visit import TrainingDiverged, Visit, VisitHooks, VisitSpec, state_path
 from tests.pipeline_fixtures import quiet
 
 
@@ -123,3 +124,50 @@ def test_train_warns_before_starting_when_the_estimate_exceeds_the_device(tiny_r
     said.clear()
     run_train(cfg, 0, log=said.append, memory_check=False)
     assert not [m for m in said if "exceeds" in m]
+
+
+def _checkpoint_files(cfg) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(cfg.run.checkpoint).iterdir())}
+
+
+def _metrics(cfg) -> list[dict]:
+    path = Path(cfg.run.dir, "metrics.jsonl")
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.mark.parametrize("block", [0, 1])
+def test_diverging_lr_stops_the_visit_and_commits_nothing(tiny_run, block):
+    # sgd at lr 1e10 turns the tiny model's loss into NaN within a couple of steps
+    cfg = tiny_run("train.optimizer=sgd", "train.lr=10000000000.0")
+    before = _checkpoint_files(cfg)
+    with pytest.raises(TrainingDiverged, match=rf"round 0, block {block}, step \d+") as err:
+        one_step(cfg, block, "bcd-recompute")
+    msg = str(err.value)
+    assert "train.lr" in msg and "nothing was committed" in msg
+    steps = [r["step"] for r in _metrics(cfg) if r["event"] == "step"]
+    assert f"step {len(steps) + 1} " in msg  # the first step whose loss was not finite
+    assert _checkpoint_files(cfg) == before  # block files and checkpoint.json as they were
+    assert not [r for r in _metrics(cfg) if r["event"] == "visit"]
+    spec = VisitSpec(block=block, mode="bcd-recompute")
+    assert not state_path(cfg, spec).exists()  # a rerun does not resume the diverged path
+
+
+def test_non_finite_weights_with_a_finite_loss_are_not_committed(tiny_run):
+    # the loss is measured before each update: a last step that blows the weights up leaves
+    # every recorded loss finite; the weight check before the commit must still catch it
+    cfg = tiny_run("train.eval_every=3", "train.checkpoint_every=2")
+
+    def blow_up(visit, step, val, seconds):
+        if step == visit.tc.max_steps:
+            with torch.no_grad():
+                visit.params[-1].view(-1)[0] = float("inf")
+
+    before = _checkpoint_files(cfg)
+    spec = VisitSpec(block=1, mode="bcd-recompute", shuffle=False)
+    visit = Visit(cfg, spec, device=torch.device("cpu"), hooks=VisitHooks(on_eval=blow_up))
+    with pytest.raises(TrainingDiverged, match=r"round 0, block 1, step 6 .*NaN/inf"):
+        visit.run(log=quiet)
+    assert all(math.isfinite(r["loss"]) for r in _metrics(cfg) if r["event"] == "step")
+    assert _checkpoint_files(cfg) == before
+    assert not [r for r in _metrics(cfg) if r["event"] == "visit"]
+    assert not state_path(cfg, spec).exists()
