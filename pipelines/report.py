@@ -1,6 +1,7 @@
 """Stage `preinfer report`: PNG plots and a markdown summary of one run directory.
 
     <run.dir>/report/
+      progress.png        val perplexity against tokens trained and wall-clock, by block and round
       loss.png            train loss per step (colour = block, shade = round), val loss markers
       val_ppl.png         val perplexity at the end of every block visit, + `preinfer eval` lines
       cache_timeline.png  cache built / refreshed / reused per boundary, and training visits, in time
@@ -25,17 +26,18 @@ from pipelines.report_data import collect
 from pipelines.report_plots import (
     plot_cache_timeline,
     plot_loss,
+    plot_progress,
     plot_throughput,
     plot_val_ppl,
 )
 from pipelines.report_summary import _f, write_summary
 from preinfer.config import Config
 
-PLOTS = ("loss", "val_ppl", "cache_timeline", "throughput")
+PLOTS = ("progress", "loss", "val_ppl", "cache_timeline", "throughput")
 
 
 def run_report(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict:
-    """Write `<run.dir>/report/` (or out_dir): the four PNGs and summary.md.
+    """Write `<run.dir>/report/` (or out_dir): the PNGs and summary.md.
 
     Returns {"dir", "files": {name: path}, "final_ppl", "final_val_loss", "visits", "caches",
     "evals", "timings", ...} (the numbers the summary shows)."""
@@ -43,6 +45,7 @@ def run_report(cfg: Config, out_dir: str | Path | None = None, log=print) -> dic
     out = Path(out_dir) if out_dir is not None else Path(cfg.run.dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots = {name: out / f"{name}.png" for name in PLOTS}
+    plot_progress(data, plots["progress"])
     plot_loss(data, plots["loss"])
     plot_val_ppl(data, plots["val_ppl"])
     plot_cache_timeline(data, plots["cache_timeline"])
@@ -63,4 +66,5 @@ def run_report(cfg: Config, out_dir: str | Path | None = None, log=print) -> dic
         "evals": data["evals"],
         "timings": data["timings"],
         "num_step_records": data["num_step_records"],
+        "progress": data["progress"],
     }

@@ -130,6 +130,7 @@ def collect(cfg: Config) -> dict:
         if input_ is None:
             input_ = _infer_input(m["cache"], mode, r, b)
         start, end = spans[key]
+        tokens_per_step = _tokens_per_step(ss, v)
         visits.append({
             "key": _visit_key_str(key),
             "mode": mode,
@@ -147,17 +148,20 @@ def collect(cfg: Config) -> dict:
             "peak_mem_mb": v.get("peak_mem_mb"),
             "peak_mem_growth_mb": v.get("peak_mem_growth_mb"),
             "trainable_params": v.get("trainable_params"),
+            "tokens_per_step": tokens_per_step,
             "start": None if start is None else start - t0,
             "end": None if end is None else end - t0,
             "first_global_step": gstep,
             "step_records": [
                 {"global_step": gstep + i + 1, "step": s["step"], "loss": s.get("loss"),
                  "val_loss": s.get("val_loss"), "tokens_per_s": s.get("tokens_per_s"),
-                 "peak_mem_mb": s.get("peak_mem_mb")}
+                 "peak_mem_mb": s.get("peak_mem_mb"),
+                 "time": s["time"] - t0 if isinstance(s.get("time"), int | float) else None}
                 for i, s in enumerate(ss)
             ],  # fmt: skip
         })  # fmt: skip
         gstep += len(ss)
+    progress = _progress(visits)
 
     caches = []
     for c in m["cache"]:
@@ -242,7 +246,52 @@ def collect(cfg: Config) -> dict:
         "model_config": (ckpt or {}).get("model_config"),
         "data_config": (tokens.get("config") or {}).get("data"),
         "num_step_records": sum(len(v["step_records"]) for v in visits),
+        "progress": progress,
     }
+
+
+def _tokens_per_step(steps: list[dict], visit: dict) -> float | None:
+    """Tokens one optimizer step trained: the usual gap between consecutive step records'
+    running `tokens` (a resumed visit restarts that count), else the visit's mean."""
+    gaps = sorted(
+        b["tokens"] - a["tokens"]
+        for a, b in zip(steps, steps[1:], strict=False)
+        if b["step"] == a["step"] + 1
+        and isinstance(a.get("tokens"), int | float)
+        and isinstance(b.get("tokens"), int | float)
+        and b["tokens"] > a["tokens"]
+    )
+    if gaps:
+        return gaps[len(gaps) // 2]
+    if steps and steps[0]["step"] == 1 and isinstance(steps[0].get("tokens"), int | float):
+        return steps[0]["tokens"]
+    tps, sec, n = visit.get("tokens_per_s"), visit.get("seconds"), visit.get("steps")
+    if all(isinstance(x, int | float) for x in (tps, sec, n)) and n:
+        return tps * sec / n  # older runs: no `tokens` in the records
+    return None
+
+
+def _progress(visits: list[dict]) -> list[dict]:
+    """Val perplexity against tokens trained and wall-clock, one point per in-visit evaluation
+    and per finished visit, in run order. tokens: cumulative over every visit before it (the
+    optimizer's tokens: what the arms of a BCD vs full comparison are charged for)."""
+    points, done = [], 0.0
+    for v in visits:
+        tps = v.get("tokens_per_step")
+        for s in v["step_records"]:
+            if isinstance(s["val_loss"], int | float):
+                points.append({"key": v["key"], "round": v["round"], "block": v["block"],
+                               "step": s["step"], "ppl": _ppl(s["val_loss"]),
+                               "tokens": None if tps is None else done + tps * s["step"],
+                               "time": s["time"]})  # fmt: skip
+        if tps is not None:
+            done += tps * (v["steps"] or 0)
+        if v["finished"] and not (points and points[-1]["key"] == v["key"]
+                                  and points[-1]["step"] == v["steps"]):  # fmt: skip
+            points.append({"key": v["key"], "round": v["round"], "block": v["block"],
+                           "step": v["steps"], "ppl": v["val_ppl"],
+                           "tokens": None if tps is None else done, "time": v["end"]})  # fmt: skip
+    return points
 
 
 def _recorded_config(cfg: Config) -> SimpleNamespace | None:

@@ -1,6 +1,7 @@
-"""The four PNG plots of `preinfer report` (pipelines/report.py), drawn from `collect`'s data.
+"""The PNG plots of `preinfer report` (pipelines/report.py), drawn from `collect`'s data.
 
-loss.png (train loss per step), val_ppl.png (val perplexity per visit, eval lines),
+progress.png (val perplexity against tokens trained and against wall-clock, by block and
+round), loss.png (train loss per step), val_ppl.png (val perplexity per visit, eval lines),
 cache_timeline.png (cache built / refreshed / reused and training visits over time),
 throughput.png (trainer tokens/s per step). Each `plot_*(data, path)` takes the dict of
 pipelines/report_data.collect and writes one file.
@@ -45,6 +46,47 @@ def _colour(block: int, round_: int, rounds: int):
 
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
+def plot_progress(data: dict, path: Path) -> None:
+    """Two panels: val ppl against tokens trained, and against wall-clock since the run's first
+    record (cache builds included); a line through every evaluation in run order, coloured
+    points per block (lighter = earlier round), initial / final `preinfer eval` as dashed lines."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(FIGSIZE[0] * 1.8, FIGSIZE[1]), dpi=DPI)
+    axes = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    pts = [p for p in data["progress"] if isinstance(p["ppl"], int | float)
+           and not math.isnan(p["ppl"])]  # fmt: skip
+    rounds = max((p["round"] for p in pts), default=0) + 1
+    vals = [e for e in data["evals"] if e["split"] == "val" and isinstance(e["ppl"], int | float)]
+    for ax, x, label in (
+        (axes[0], "tokens", "tokens trained"),
+        (axes[1], "time", "wall-clock (s)"),
+    ):
+        xy = [(p[x], p["ppl"], p) for p in pts if isinstance(p[x], int | float)]
+        if not xy:
+            _empty(ax, "no evaluations recorded")
+            continue
+        ax.plot([a for a, _, _ in xy], [b for _, b, _ in xy], color="0.6", lw=1, zorder=1)
+        seen = set()
+        for a, b, p in xy:
+            lab = f"block {p['block']}" if p["block"] not in seen else None
+            seen.add(p["block"])
+            ax.scatter([a], [b], color=[_colour(p["block"], p["round"], rounds)], s=18, zorder=2,
+                       label=lab)  # fmt: skip
+        for i, e in enumerate(vals):
+            if i in (0, len(vals) - 1):
+                ax.axhline(e["ppl"], ls="--", lw=0.8, color="k" if i else "0.5")
+        ys = [b for _, b, _ in xy] + [e["ppl"] for e in vals]
+        if max(ys) > 20 * min(ys):
+            ax.set_yscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("val perplexity")
+        ax.legend(fontsize=6)
+    fig.suptitle(f"{data['name']}: val perplexity by block and round (lighter = earlier round; "
+                 "dashed: initial / final eval)", fontsize=9)  # fmt: skip
+    _save(fig, path)
 
 
 def plot_loss(data: dict, path: Path) -> None:

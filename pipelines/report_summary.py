@@ -63,6 +63,29 @@ def _config_rows(cfg: Config, data: dict) -> list[list]:
     return rows
 
 
+def _progress_section(data: dict, plots: dict[str, Path]) -> list[str]:
+    """The figures a reader wants first: val ppl at the end of each visit against the tokens
+    trained and the wall-clock so far, per block and round."""
+    L = ["## Val perplexity by block and round", ""]
+    if "progress" in plots:
+        L += [f"![progress]({plots['progress'].name})", ""]
+    ends = {v["key"]: v for v in data["visits"]}
+    pts = [p for p in data["progress"] if p["key"] in ends and p["step"] == ends[p["key"]]["steps"]]
+    if not pts:
+        return L + ["No finished visits yet.", ""]
+    vals = [e for e in data["evals"] if e["split"] == "val" and isinstance(e["ppl"], int | float)]
+    rows = []
+    if vals and len(vals) > 1:
+        rows.append(["initial eval", "–", 0, 0, _f(vals[0]["ppl"], ".2f")])
+    for p in pts:
+        rows.append([p["round"], p["block"], f"{p['tokens']:,.0f}" if isinstance(p["tokens"],
+                     int | float) else "–", _f(p["time"], ".1f"), _f(p["ppl"], ".2f")])  # fmt: skip
+    L += _table(["round", "block", "tokens trained", "wall-clock (s)", "val ppl"], rows)
+    L += ["", "Val ppl after each visit, on its own input over `train.eval_batches` batches; "
+          "wall-clock counts from the run's first record, cache builds included.", ""]  # fmt: skip
+    return L
+
+
 def write_summary(cfg: Config, data: dict, plots: dict[str, Path], path: Path) -> None:
     fin = data["final"]
     L = [f"# preinfer report: {data['name']}", ""]
@@ -72,8 +95,9 @@ def write_summary(cfg: Config, data: dict, plots: dict[str, Path], path: Path) -
     L.append(f"**Final val perplexity: {_f(fin['ppl'], '.2f')}** (val loss {_f(fin['loss'])}; "
              f"from {'the last `preinfer eval`' if fin['source'] == 'eval' else fin['source']})")  # fmt: skip
     L.append("")
+    L += _progress_section(data, plots)
     L += ["## Plots", ""]
-    L += [f"![{k}]({p.name})" for k, p in plots.items()]
+    L += [f"![{k}]({p.name})" for k, p in plots.items() if k != "progress"]
     L += ["", "## Config", ""]
     L += _table(["section", "from", "settings"], _config_rows(cfg, data))
     L += ["", "<details><summary>resolved config (JSON)</summary>", "", "```json",

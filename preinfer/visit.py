@@ -270,6 +270,7 @@ class Visit:
                 "block": self.K,
                 "step": step,
                 "loss": loss,
+                "tokens": tokens,  # trained in this visit so far (all ranks)
                 "tokens_per_s": tokens / (time.perf_counter() - t0),
                 "peak_mem_mb": peak_memory_mb(self.device),
                 "time": time.time(),
@@ -313,6 +314,7 @@ class Visit:
             "loss": loss,
             "val_loss": val,
             "seconds": elapsed,
+            "tokens": tokens,
             "tokens_per_s": tokens / max(elapsed, 1e-9),
             "peak_mem_mb": peak_memory_mb(self.device),
             "peak_mem_growth_mb": peak_memory_mb(self.device) - self.mem_base,

@@ -128,7 +128,7 @@ def _check_pngs(files: dict) -> None:
         assert p.is_file() and p.stat().st_size > 2000, p
         img = mpimg.imread(p)
         h, w = img.shape[:2]
-        assert 250 <= h <= 500 and 450 <= w <= 800, (name, img.shape)
+        assert 250 <= h <= 500 and 450 <= w <= 1100, (name, img.shape)
         assert img[..., :3].std() > 0.01, f"{name} looks blank"
 
 
@@ -250,6 +250,28 @@ def test_report_real_tiny_run(tiny_run):
     assert [c["action"] for c in res["caches"]] == ["built", "refreshed"]
     # boundary 2's caches are still in use, so their sizes are in the summary
     assert "B/value" in _section(md, "Caches")
+    _check_progress_opens_the_report(md, Path(cfg.run.dir) / "metrics.jsonl",
+                                     cfg.train.batch_size * cfg.data.seq_len)  # fmt: skip
+
+
+def _check_progress_opens_the_report(md: str, metrics: Path, tokens_per_step: int) -> None:
+    """The first section is val ppl per visit against cumulative tokens and wall-clock, and its
+    numbers are the visit records' (tokens: steps x batch x seq_len, summed in run order)."""
+    assert md.split("\n## ")[1].startswith("Val perplexity by block and round")
+    assert "![progress](progress.png)" in _section(md, "Val perplexity by block and round")
+    rows = _table_rows(_section(md, "Val perplexity by block and round"))
+    rows = [r for r in rows if r[0] != "initial eval"]
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    visits = [r for r in recs if r["event"] == "visit"]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(v["round"], v["block"]) for v in visits]
+    done = 0
+    for r, v in zip(rows, visits, strict=True):
+        done += v["steps"] * tokens_per_step
+        assert v["tokens"] == v["steps"] * tokens_per_step
+        assert int(r[2].replace(",", "")) == done
+        assert float(r[4]) == pytest.approx(math.exp(v["val_loss"]), rel=1e-3)
+    times = [float(r[3]) for r in rows]
+    assert times == sorted(times) and times[0] > 0
 
 
 def test_cache_sizes_never_read_outside_the_cache_root(tmp_path):
