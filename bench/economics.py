@@ -97,6 +97,15 @@ QUICK = Scale(
 )
 
 
+# The B-F studies (#15 item 4): what each changes in the bcd arm's config.
+VARIANTS = {
+    "base": [],
+    "adam-state": ["train.keep_optimizer_state=true"],  # AdamW moments kept across rounds
+    "run-schedule": ["train.schedule=run"],  # one warmup + cosine over the whole rotation
+    "descending": ["train.order=descending"],  # head-side block first
+}
+
+
 class _Stop(Exception):
     """Raised by the visit callback when an arm has done what the study needs."""
 
@@ -140,14 +149,19 @@ def prepare(sc: Scale, work: Path, M: int, seed: int, epochs: float) -> Path:
 
 
 def run_arm(sc: Scale, work: Path, mode: str, M: int, seed: int, epochs: float, *,
-            target_ppl: float | None = None, max_visits: int | None = None) -> dict:  # fmt: skip
-    """One arm from the seed's init checkpoint; returns its whole-val curve and timing."""
+            target_ppl: float | None = None, max_visits: int | None = None,
+            min_visits: int = 0, variant: str = "base") -> dict:  # fmt: skip
+    """One arm from the seed's init checkpoint; returns its whole-val curve and timing.
+    Stops at target_ppl once min_visits are done (a whole round: the cache/recompute ratio
+    of a rotation that stopped after block 1 would say nothing about blocks 2..M-1), or after
+    max_visits. variant: a key of VARIANTS, whose overrides the arm's config gets on top."""
     init = prepare(sc, work, M, seed, epochs)
-    run = work / f"{mode}-M{M}-E{epochs:g}-s{seed}"
+    tag = "" if variant == "base" else f"-{variant}"
+    run = work / f"{mode}{tag}-M{M}-E{epochs:g}-s{seed}"
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(init, run / "checkpoint")
     cfg = load_config(None, [*base_overrides(sc, work, M, epochs), f"run.dir={run}",
-                             f"train.seed={seed}"])  # fmt: skip
+                             f"train.seed={seed}", *VARIANTS[variant]])  # fmt: skip
     store = TokenStore(cfg.data.out_dir)
     budget = store_budget(cfg, store)
     if mode == "full":  # run_bcd's full mode trains rounds x M x a visit's steps
@@ -170,7 +184,8 @@ def run_arm(sc: Scale, work: Path, mode: str, M: int, seed: int, epochs: float, 
         ppl = run_eval(cfg, log=_quiet)["ppl"]  # the whole val split, full model from tokens
         excluded[0] += time.perf_counter() - e0
         point(steps_done[0], ppl, round=r, block=k)
-        if target_ppl is not None and ppl <= target_ppl:
+        reached = any(c["ppl"] <= target_ppl for c in curve) if target_ppl is not None else False
+        if reached and len(curve) >= min_visits:
             raise _Stop
         if max_visits is not None and len(curve) >= max_visits:
             raise _Stop
@@ -198,7 +213,7 @@ def run_arm(sc: Scale, work: Path, mode: str, M: int, seed: int, epochs: float, 
         prev = [0] + [c["steps"] for c in curve]
         visits = [(p["block"], p["steps"] - q) for p, q in zip(curve, prev, strict=False)]
     return {
-        "mode": mode, "M": M, "seed": seed, "epochs": epochs, "seconds": seconds,
+        "mode": mode, "variant": variant, "M": M, "seed": seed, "epochs": epochs, "seconds": seconds,
         "steps": curve[-1]["steps"] if curve else 0, "final_ppl": curve[-1]["ppl"] if curve else None,
         "curve": curve, "cache_seconds": cache_s, "cache_share": cache_s / seconds if seconds else 0,
         "builds": [{k: e.get(k) for k in ("action", "boundary", "round", "seconds", "fixed_s",
@@ -277,7 +292,8 @@ def study(sc: Scale, work: Path, M: int, epochs: float, log=print) -> dict:
             memo.write_text(json.dumps(full))
         log(f"  M={M} E={epochs:g} seed {seed}: full {full['steps']} steps {full['seconds']:.0f}s "
             f"ppl {full['final_ppl']:.1f}")  # fmt: skip
-        cache = run_arm(sc, work, "bcd", M, seed, epochs, target_ppl=full["final_ppl"])
+        cache = run_arm(sc, work, "bcd", M, seed, epochs, target_ppl=full["final_ppl"],
+                        min_visits=M)  # fmt: skip
         recompute = run_arm(sc, work, "bcd-recompute", M, seed, epochs,
                             max_visits=len(cache["curve"]))  # fmt: skip
         arms = [full, cache, recompute]
@@ -314,6 +330,56 @@ def study(sc: Scale, work: Path, M: int, epochs: float, log=print) -> dict:
     return {"M": M, "epochs": epochs, "seeds": per_seed, "median": med}
 
 
+def variants_study(sc: Scale, work: Path, M: int, epochs: float, variants: list[str],
+                   log=print) -> dict:  # fmt: skip
+    """The bcd arm under each variant for full's own step budget (no early stop): whole-val ppl
+    at full's steps against full's, and the steps to first reach full's final ppl."""
+    per_seed = []
+    for seed in sc.seeds:
+        memo = work / f"full-s{seed}-{sc.full_steps}.json"
+        if memo.exists():
+            full = json.loads(memo.read_text())
+        else:
+            full = run_arm(sc, work, "full", M, seed, epochs)
+            memo.write_text(json.dumps(full))
+        row = {"seed": seed, "full_ppl": full["final_ppl"], "full_seconds": full["seconds"]}
+        for v in variants:
+            init = prepare(sc, work, M, seed, epochs)
+            cfg = load_config(None, [*base_overrides(sc, work, M, epochs), f"run.dir={work / 'prep'}",
+                                     f"run.checkpoint={init}"])  # fmt: skip
+            steps = store_budget(cfg, TokenStore(cfg.data.out_dir)).steps
+            arm = run_arm(sc, work, "bcd", M, seed, epochs, variant=v,
+                          max_visits=math.ceil(sc.full_steps / steps))  # fmt: skip
+            hit = time_to(arm["curve"], full["final_ppl"])
+            row[v] = {"ppl": arm["final_ppl"], "steps": arm["steps"], "seconds": arm["seconds"],
+                      "ppl_over_full": arm["final_ppl"] / full["final_ppl"],
+                      "bf_multiplier": hit["steps"] / full["steps"] if hit else None,
+                      "curve": arm["curve"]}  # fmt: skip
+            log(f"  M={M} E={epochs:g} seed {seed} {v}: {arm['steps']} steps ppl "
+                f"{arm['final_ppl']:.1f} (full {full['final_ppl']:.1f}), reaches full's at "
+                f"{hit['steps'] if hit else 'never'}")  # fmt: skip
+        per_seed.append(row)
+    med = {}
+    for v in variants:
+        med[v] = {}
+        for key in ("ppl_over_full", "bf_multiplier", "seconds"):
+            vals = [r[v][key] for r in per_seed if r[v][key] is not None]
+            med[v][key] = statistics.median(vals) if vals else None
+        med[v]["reached"] = sum(r[v]["bf_multiplier"] is not None for r in per_seed)
+    return {"M": M, "epochs": epochs, "variants": variants, "seeds": per_seed, "median": med}
+
+
+def render_variants(s: dict) -> str:
+    rows = [("variant (M, passes/visit)", "whole-val ppl at full's steps / full's",
+             "B-F multiplier (steps to full's ppl / full's)", "seconds", "seeds reaching")]  # fmt: skip
+    for v in s["variants"]:
+        m = s["median"][v]
+        bf = "n/a" if m["bf_multiplier"] is None else f"{m['bf_multiplier']:.2f}"
+        rows.append((f"{v} (M={s['M']}, {s['epochs']:g})", f"{m['ppl_over_full']:.3f}", bf,
+                     f"{m['seconds']:.0f}", f"{m['reached']}/{len(s['seeds'])}"))  # fmt: skip
+    return headline_table(rows)
+
+
 def render(res: dict) -> str:
     rows = [("M", "passes/visit", "bcd time to full's ppl / full", "B-F multiplier",
              "bcd / recompute (same visits)", "pre-inference share", "fixed / build",
@@ -343,6 +409,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--work", default=None, help="keep runs here (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
+                    help="the B-F studies instead: the bcd arm under each, for full's steps")  # fmt: skip
     a = ap.parse_args(argv)
     sc = QUICK if a.quick else DEFAULT
     if a.seeds is not None:
@@ -353,6 +421,23 @@ def main(argv=None) -> dict:
     work = Path(a.work or tmp.name)
     t0 = time.perf_counter()
     load0 = load_average()
+    if a.variants:
+        studies = [variants_study(sc, work, M, e, a.variants) for M in a.M for e in a.epochs]
+        res = {"scale": asdict(sc), "variant_studies": studies, "load_start": load0,
+               "load_end": load_average(), "seconds": time.perf_counter() - t0,
+               "overrides": {v: VARIANTS[v] for v in a.variants},
+               "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+        res["table"] = "\n\n".join(render_variants(s) for s in studies)
+        print(res["table"])
+        print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
+        out = Path(a.out) if a.out else results_path("economics-variants")
+        write_results(out, res)
+        if tmp is not None:
+            tmp.cleanup()
+        return {
+            "headline": {v: studies[0]["median"][v]["ppl_over_full"] for v in a.variants},
+            "results": str(out),
+        }
     studies = [study(sc, work, M, e) for M in a.M for e in a.epochs]
     res = {"scale": asdict(sc), "studies": studies, "load_start": load0,
            "load_end": load_average(), "seconds": time.perf_counter() - t0,

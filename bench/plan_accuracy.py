@@ -80,7 +80,7 @@ def child(args) -> None:
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step: ~75 MB)
     import transformers  # noqa: F401
 
-    from pipelines.cache_build import PrefixWorker
+    from pipelines.prefix_worker import PrefixWorker
     from pipelines.train import visit_spec
     from preinfer.cache_identity import compute_choice, plan_caches
     from preinfer.config import config_from_dict

@@ -146,14 +146,34 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         raise ConfigError(f"{where or cls.__name__}: {e}") from None
 
 
-def to_dict(obj: Any) -> Any:
-    """A dataclass as plain JSON/YAML-able data (nested)."""
+MASK = "***"
+"""What a credential reads as wherever a config is printed or stored."""
+
+
+def secret_field(default: Any = None) -> Any:
+    """A credential field: masked by `to_dict` (so in every printed or stored config) and left
+    out of the dataclass repr (so out of tracebacks and log lines)."""
+    return dataclasses.field(default=default, repr=False, metadata={"secret": True})
+
+
+def is_secret(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("secret"))
+
+
+def to_dict(obj: Any, *, mask: bool = True) -> Any:
+    """A dataclass as plain JSON/YAML-able data (nested); a set `secret_field` reads MASK
+    unless mask=False (what is printed, stored or sent to another process never holds one)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {
+            f.name: MASK
+            if mask and is_secret(f) and getattr(obj, f.name) is not None
+            else to_dict(getattr(obj, f.name), mask=mask)
+            for f in dataclasses.fields(obj)
+        }
     if isinstance(obj, list | tuple):
-        return [to_dict(v) for v in obj]
+        return [to_dict(v, mask=mask) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
+        return {k: to_dict(v, mask=mask) for k, v in obj.items()}
     return obj
 
 

@@ -1,5 +1,5 @@
 """The stages (one module each, thin: build from config, run), the rotation and the `preinfer`
-command line (pipelines/cli.py). Builds run in this process or as Ray Data jobs, visits in
+command line (pipelines/cli.py). Builds run in this process or on a pool of Ray actors, visits in
 this process or under Ray Train; the same commands work locally and as Ray cluster jobs.
 
 Public surface: the stage functions, as the CLI and the benchmarks call them.

@@ -1,11 +1,19 @@
-"""Stage `preinfer bcd`: rounds x blocks in ascending order, each block fed from its cache.
+"""Stage `preinfer bcd`: rounds x blocks (train.order), each block fed from its cache.
 
 For block K > 0 (mode bcd): reuse the boundary-K cache if its fingerprint matches the
 checkpoint as it is now; else refresh it from boundary K-1 when that cache is current (one
 block of compute); else build it from tokens. Then train block K and commit it. Boundary K-1's
 cache is dropped once boundary K exists unless cache.keep. `<run.dir>/state.json` records
 finished visits, so a killed run resumes at the right block (and, through the visit's own
-state file, at the right step).
+state file, at the right step). It also records the token store the rotation started on: a
+re-tokenize since (other corpus, tokenizer, vocab) is refused, not trained on. One run per
+run.dir: the rotation holds `<run.dir>/.lock` (preinfer/run_lock.py) throughout.
+
+train.order=descending trains blocks M-1..0 in each round. No block before K changes until
+block 0 trains, so every boundary cache of the round stays current: the round starts by making
+boundaries 1..M-1 current (build 1, refresh 2 from 1, ..., the same compute as ascending's), then
+trains M-1..1 from them and block 0 from tokens, dropping each boundary once its block is trained
+(unless cache.keep). state.json records the order (and train.schedule): a run.dir keeps them.
 
 --mode full trains every parameter from tokens for rounds x M x max_steps steps (the same
 number of optimizer steps as the BCD rotation); --mode bcd-recompute rotates without caches.
@@ -21,17 +29,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.config import ConfigError
-from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.cache_build import build_cache, refresh_allowed, refresh_cache
 from pipelines.train import run_train
 from preinfer.cache_identity import Sources, plan_caches, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
-from preinfer.guards import check_disk_for_cache, warn_trainer_memory
+from preinfer.guards import (
+    check_disk_for_cache,
+    check_same_tokens,
+    check_vocab,
+    token_record,
+    warn_trainer_memory,
+)
 from preinfer.metrics import append_metrics, last_visit_summary
-from preinfer.visit import VisitHooks
+from preinfer.run_lock import run_lock
+from preinfer.visit import VisitHooks, finish_committed
 from storage import fs
 from storage.atomic import dir_bytes, write_json
-from storage.layout import check_fingerprint, is_complete, remove_cache
+from storage.layout import check_fingerprint, is_complete
+from storage.lease import describe, remove_unless_used
 from storage.tokens import TokenStore
 
 
@@ -76,9 +92,13 @@ def ensure_cache(
         res = build_cache(cfg, block, round_, verify=True, log=log, src=src)
         action, fps = "repaired", res["fingerprints"]
     else:
-        prev_ok = block >= 2 and all(
-            is_complete(cfg.cache.root, p.fingerprint)
-            for p in plan_caches(cfg, block - 1, round_, create=False, src=src)
+        prev_ok = (
+            block >= 2
+            and refresh_allowed(cfg)
+            and all(
+                is_complete(cfg.cache.root, p.fingerprint)
+                for p in plan_caches(cfg, block - 1, round_, create=False, src=src)
+            )
         )
         res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log, src=src)
         action, fps = res["action"], res["fingerprints"]
@@ -125,7 +145,12 @@ def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> No
                 ) from None
     for fp in dict.fromkeys(fps):
         if fp not in keep and (fs.path(cfg.cache.root) / fp).is_dir():
-            remove_cache(cfg.cache.root, fp)  # manifest first: never complete, shards missing
+            # manifest first (never complete with shards missing); spared while another
+            # process (a run sharing cache.root) holds a lease on it: a later drop takes it
+            readers = remove_unless_used(cfg.cache.root, fp, mine_ok=True)
+            if readers:
+                log(f"  kept cache {fp[:12]}: still in use ({describe(readers)})")
+                continue
             log(f"  dropped cache {fp[:12]} (no longer needed; cache.keep=false)")
 
 
@@ -140,30 +165,47 @@ def run_bcd(
     """The rotation (or --mode full). hooks: every visit's extension points (in-process visits);
     on_visit(round, block, summary): after each visit is recorded (a benchmark's whole-val
     evaluation, say; its time is the caller's to count)."""
-    mode = mode or cfg.train.mode
+    with run_lock(cfg.run.dir, f"bcd --mode {mode or cfg.train.mode}", log=log):
+        return _rotate(cfg, mode or cfg.train.mode, log, hooks, on_visit)
+
+
+def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     state = load_state(cfg)
     if state.get("mode", mode) != mode:
-        raise ValueError(
+        raise ConfigError(
             f"{_state_path(cfg)} belongs to a --mode {state['mode']} run; use another run.dir "
             f"for --mode {mode}"
         )
+    # refused here, in the driver, before any state is written or a worker starts
+    store, ckpt = TokenStore(cfg.data.out_dir), Checkpoint.open(cfg.run.checkpoint)
+    check_vocab(ckpt, store)
+    if state.get("tokens"):
+        check_same_tokens(state["tokens"], store, str(_state_path(cfg)))
+    else:  # the rotation starts (or a state.json from before the record): tokens from now on
+        state["tokens"] = token_record(store)
+    _check_same_rotation(cfg, state, mode)
     state["mode"] = mode
+    if mode != "full":
+        state["order"], state["schedule"] = cfg.train.order, cfg.train.schedule
+    save_state(cfg, state)
     # the resolved config of this run (storage credentials masked)
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
-    ckpt = Checkpoint.open(cfg.run.checkpoint)
     M = ckpt.num_blocks
     check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
     try:
         warn_trainer_memory(cfg, mode=mode, log=log)
     except Exception as e:  # an estimate must never stop a run
         log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
-    budget = store_budget(cfg, TokenStore(cfg.data.out_dir))
+    budget = store_budget(cfg, store)
     if mode == "full":
         plan = [(0, 0)]
         log(f"  full: {budget.steps * cfg.train.rounds * M} steps over all train rows")
     else:
-        plan = [(r, k) for r in range(cfg.train.rounds) for k in range(M)]
+        blocks = range(M) if cfg.train.order == "ascending" else range(M - 1, -1, -1)
+        plan = [(r, k) for r in range(cfg.train.rounds) for k in blocks]
         log(f"  each visit: {budget.why} ({budget.passes:.2f} passes)")
+    descending = mode == "bcd" and cfg.train.order == "descending"
+    ready: dict[int, dict[int, tuple[str, dict[str, str]]]] = {}  # descending: round -> caches
     results = []
     for r, k in plan:
         key = f"r{r}-b{k}"
@@ -173,13 +215,20 @@ def run_bcd(
         pending = state.get("pending")
         if pending and pending["key"] == key and pending["start_hash"] != ckpt_hash(cfg):
             # killed after the visit committed its block but before state.json said so
+            finish_committed(cfg, r, k, mode)
             state["visits"][key] = {**last_visit_summary(cfg), "cache": pending["cache"]}
             state["pending"] = None
             save_state(cfg, state)
             results.append(state["visits"][key])
+            if descending:
+                _release(cfg, state, ready, r, k, log)
             continue
         action, fps = "tokens", None
-        if mode == "bcd" and k > 0:
+        if descending and k > 0:
+            if r not in ready:  # the round's start, or its first visit left after a kill
+                ready[r] = _ensure_boundaries(cfg, state, r, k, log)
+            action, fps = ready[r][k]
+        elif mode == "bcd" and k > 0:
             action, fps = ensure_cache(cfg, state, k, r, log=log)
             drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
             save_state(cfg, state)
@@ -200,6 +249,8 @@ def run_bcd(
         state["pending"] = None
         save_state(cfg, state)
         results.append(summary)
+        if descending:
+            _release(cfg, state, ready, r, k, log)
         if on_visit is not None:
             on_visit(r, k, summary)
         log(
@@ -210,6 +261,52 @@ def run_bcd(
     state["caches_in_use"] = [] if mode != "bcd" else state["caches_in_use"]
     save_state(cfg, state)
     return {"mode": mode, "visits": results}
+
+
+def _check_same_rotation(cfg: Config, state: dict, mode: str) -> None:
+    """Refuse to go on with a rotation begun in another train.order or train.schedule (a
+    state.json from before they were recorded: ascending, visit)."""
+    if mode == "full":
+        return  # trains all blocks at once over its own steps: neither applies
+    started = bool(state["visits"] or state.get("pending"))
+    for key, old in (("order", "ascending"), ("schedule", "visit")):
+        was, now = state.get(key, old if started else None), getattr(cfg.train, key)
+        if was is not None and was != now:
+            raise ConfigError(
+                f"{_state_path(cfg)} belongs to a rotation with train.{key}={was}; rerun with "
+                f"train.{key}={was} to go on with it, or use another run.dir for train.{key}={now}"
+            )
+
+
+def _ensure_boundaries(
+    cfg: Config, state: dict, round_: int, upto: int, log
+) -> dict[int, tuple[str, dict[str, str]]]:
+    """Descending order: make boundaries 1..upto of the round current, in ascending order (so
+    each refreshes from the one before), and keep them all: {boundary: (action, fingerprints)}."""
+    out: dict[int, tuple[str, dict[str, str]]] = {}
+    for j in range(1, upto + 1):
+        out[j] = ensure_cache(cfg, state, j, round_, log=log)
+        state["caches_in_use"] = _fingerprints(out)
+        save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
+    # only now: a boundary beyond j that a killed setup completed must survive until reused
+    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
+    save_state(cfg, state)
+    return out
+
+
+def _release(cfg: Config, state: dict, ready: dict, round_: int, block: int, log) -> None:
+    """Descending order: block `block` is trained; its boundary (and any later one) is no longer
+    needed this round, and after block 0 none is (every prefix changed)."""
+    if block > 0 and round_ not in ready:
+        return  # a visit finished before a kill: the next one's setup drops what is stale
+    left = {j: v for j, v in ready.get(round_, {}).items() if j < block}
+    state["caches_in_use"] = _fingerprints(left)
+    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
+    save_state(cfg, state)
+
+
+def _fingerprints(caches: dict[int, tuple[str, dict[str, str]]]) -> list[str]:
+    return sorted({fp for _, fps in caches.values() for fp in fps.values()})
 
 
 def ckpt_hash(cfg: Config) -> str:

@@ -7,6 +7,7 @@ preinfer cache build --block 2 --config configs/demo.yaml
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from pipelines.train import run_train
 from preinfer.checkpoint_format import CheckpointError
 from preinfer.config import Config, load_config
 from preinfer.plan import add_plan_arguments, run_plan
+from preinfer.run_lock import run_lock
 from storage import cache_tools
 from storage.layout import CacheError, check_fingerprint
 from storage.tokens import TokenStoreError
@@ -178,8 +180,9 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_train(args) -> int:
-
-    res = run_train(_load(args), args.block, args.round, mode=args.mode)
+    cfg = _load(args)
+    with run_lock(cfg.run.dir, f"train --block {args.block}"):  # one run per run.dir
+        res = run_train(cfg, args.block, args.round, mode=args.mode)
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}))
     return 0
 
@@ -248,7 +251,7 @@ def _cache(args, cfg: Config) -> int:
         return 0
     if cmd == "gc":
         keep = _referenced(args.run or [cfg.run.dir])
-        removed = cache_tools.gc_caches(root, keep, dry_run=args.dry_run)
+        removed = cache_tools.gc_caches(root, keep, dry_run=args.dry_run, log=print)
         verb = "would remove" if args.dry_run else "removed"
         for fp, reason, nbytes in removed:
             print(f"{verb} {fp} ({reason}, {nbytes / 2**20:.1f} MiB)")
@@ -274,6 +277,10 @@ COMMANDS = {
 }
 
 
+# no space, a file-size limit, a quota: the same for the user
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input: printed as one clear line, exit code 2."""
 
@@ -292,6 +299,17 @@ def main(argv: list[str] | None = None) -> int:
             f"preinfer {args.cmd}: interrupted; rerun the same command to resume", file=sys.stderr
         )
         return 130
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        # every writer commits by rename: what was written before this file is intact
+        print(
+            f"preinfer {args.cmd}: error: the disk is full writing {e.filename or 'a file'} "
+            f"({e.strerror}); free space there (or point run.dir / cache.root elsewhere) and "
+            f"rerun the same command: what is already written is kept",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

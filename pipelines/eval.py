@@ -1,4 +1,8 @@
-"""Stage `preinfer eval`: held-out loss and perplexity of the checkpoint on the val split."""
+"""Stage `preinfer eval`: held-out loss and perplexity of the checkpoint on the val split.
+
+The loss is the one the model trains on (data.objective): next-token (causal) over every token
+or the response tokens, or masked-LM (mlm) over the stored masked positions (the perplexity is
+then exp of the masked-token loss, not a sequence perplexity)."""
 
 from __future__ import annotations
 
@@ -10,11 +14,21 @@ from preinfer.config import Config
 from preinfer.device import autocast, resolve_device
 from preinfer.loss import evaluate_tokens
 from preinfer.metrics import append_metrics
+from preinfer.tokenization import check_store_objective
 from storage.tokens import TokenStore
+
+# (objective, store has labels) -> the positions the loss is a mean over
+TARGETS = {("causal", False): "all", ("causal", True): "response", ("mlm", True): "masked"}
+NOTE = {
+    "all": "",
+    "response": "; response tokens only: prompts are masked",
+    "masked": "; the masked positions' own tokens",
+}
 
 
 def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print) -> dict:
     store = TokenStore(cfg.data.out_dir)
+    check_store_objective(cfg.data, store)  # a bert scored on next tokens would mean nothing
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     device = resolve_device(cfg.run.device)
     model, adapter = ckpt.load(range(ckpt.num_blocks), device=device)
@@ -37,12 +51,14 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
     res = {
         "split": split,
         **res,
+        "objective": store.objective,
+        "targets": TARGETS[store.objective, store.has_labels],  # what the loss is a mean over
         "seconds": time.perf_counter() - t0,
         "checkpoint": ckpt.prefix_hash(M),
     }
     append_metrics(cfg, {"event": "eval", **res, "time": time.time()})
     log(
         f"eval: {split} loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} "
-        f"over {res['tokens']:,} tokens"
+        f"over {res['tokens']:,} tokens (objective: {res['objective']}{NOTE[res['targets']]})"
     )
     return res

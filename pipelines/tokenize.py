@@ -1,12 +1,19 @@
 """Stage `preinfer tokenize`: corpus -> tokenizer -> packed train/val token store.
 
-Same inputs (corpus bytes, tokenizer, S, split rule) give the same fingerprint, and a
-rerun over a complete store with that fingerprint does nothing.
+Same inputs (corpus bytes, tokenizer, S, split rule, and for prompt/response data the pair
+layout, for masked-LM data the mask rule and seed) give the same fingerprint, and a rerun over
+a complete store with that fingerprint does nothing (unless a shard fails its checksum: then
+the store is written again).
+
+Streaming: the corpus is read in passes (hash and count; train the BPE; encode and pack), never
+held whole; what stays in memory is one batch of documents, a row being packed and at most a
+shard of rows per split (the writer's buffers).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 
 import tokenizers
@@ -14,18 +21,22 @@ from tqdm import tqdm
 
 from core.fingerprint import chain, file_hash
 from preinfer.config import Config
+from preinfer.packing import MASK_REPLACE, MlmPacker, Packer, PairPacker
 from preinfer.tokenization import (
     CorpusError,
+    DataConfig,
     eos_id,
     is_val,
     iter_documents,
     load_tokenizer,
-    pack,
     tokenizer_file,
     train_bpe,
 )
 from storage import fs
+from storage.atomic import as_os_error
 from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter
+
+ENCODE_BATCH = 64  # documents per tokenizer call (encode_batch runs them on its threads)
 
 
 def tokenizer_spec(cfg: Config) -> dict:
@@ -35,20 +46,38 @@ def tokenizer_spec(cfg: Config) -> dict:
     return {"kind": "file", "sha256": file_hash(tokenizer_file(d.tokenizer))}
 
 
-def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
+def _scan(d: DataConfig) -> tuple[str, dict[str, int]]:
+    """Pass 1: (corpus hash, documents per split)."""
+    corpus, counts = hashlib.sha256(), {"train": 0, "val": 0}
+    for doc in iter_documents(d):
+        corpus.update(hashlib.sha256(doc.key()).digest())
+        counts["val" if is_val(doc, d) else "train"] += 1
+    return corpus.hexdigest(), counts
+
+
+def tokens_fingerprint(cfg: Config, corpus: str) -> str:
     d = cfg.data
-    t0 = time.perf_counter()
-    docs = list(iter_documents(d))
-    if not docs:
-        raise CorpusError(
-            f"data.source {d.source!r} holds no non-empty documents; give a corpus with text"
-        )
-    corpus = hashlib.sha256()
-    for doc in docs:
-        corpus.update(hashlib.sha256(doc.text.encode()).digest())
-    fingerprint = chain(
+    parts = {}
+    if d.pairs:  # text stores keep the fingerprints they had before pairs existed
+        parts["pairs"] = {
+            "prompt": d.prompt_template if d.prompt_template is not None else d.prompt_field,
+            "response": d.response_field,
+            "split_pairs": d.split_pairs,
+            "too_long": "drop",
+            "targets": "response + EOS",
+        }
+    if d.mlm:  # causal stores keep the fingerprints they had before masked LM existed
+        parts["mlm"] = {
+            "seed": d.mask_seed,
+            "fraction": d.mask_fraction,
+            "replace": list(MASK_REPLACE),
+            "rule": "per row: fraction * non-special inputs (rounded at random) are targets, "
+            "drawn by rng(seed, split, row)",
+            "row": "[CLS] + S-1 ids + filler (S ids + filler without [CLS]); labels unshifted",
+        }
+    return chain(
         "tokens",
-        corpus=corpus.hexdigest(),
+        corpus=corpus,
         tokenizer=tokenizer_spec(cfg),
         seq_len=d.seq_len,
         split={
@@ -56,34 +85,61 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
             "val_fraction": d.val_fraction,
             "seed": d.split_seed,
         },
+        **parts,
     )[:32]
+
+
+def _train_texts(d: DataConfig):
+    for doc in iter_documents(d):
+        if not is_val(doc, d):
+            yield doc.text
+            if doc.response is not None:
+                yield doc.response
+
+
+def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
+    d = cfg.data
+    t0 = time.perf_counter()
+    corpus, docs = _scan(d)
+    n_docs = sum(docs.values())
+    if not n_docs:
+        raise CorpusError(
+            f"data.source {d.source!r} holds no non-empty documents; give a corpus with text"
+        )
+    fingerprint = tokens_fingerprint(cfg, corpus)
     out = fs.path(d.out_dir)  # a Path, or a RemotePath (s3://...)
+    replace = force
     if TokenStore.exists(out):
         store = TokenStore(out)
         if store.fingerprint == fingerprint:
-            log(f"tokenize: {out} is current (fingerprint {fingerprint[:12]}); nothing to do")
-            return store
-        if not force:
+            bad = store.verify()
+            if not bad:
+                log(f"tokenize: {out} is current (fingerprint {fingerprint[:12]}); nothing to do")
+                return store
+            log(f"tokenize: {out} has shards that fail their checksum ({', '.join(bad)}); "
+                "writing it again")  # fmt: skip
+            replace = True
+        elif not force:
             raise TokenStoreError(
                 f"{out} holds tokens from other inputs (fingerprint {store.fingerprint[:12]}, "
                 f"now {fingerprint[:12]}); pass --force to replace it or set data.out_dir elsewhere"
             )
 
-    splits = {"train": [], "val": []}
-    for doc in docs:
-        splits["val" if is_val(doc, d) else "train"].append(doc)
-    for name, part in splits.items():
-        if not part:
+    for name, n in docs.items():
+        if not n:
             raise CorpusError(
-                f"the {name} split is empty ({len(docs)} documents, val_fraction={d.val_fraction}); "
+                f"the {name} split is empty ({n_docs} documents, val_fraction={d.val_fraction}); "
                 "use more documents or change data.val_fraction"
             )
 
-    if d.tokenizer == "bpe":
-        tok = train_bpe((doc.text for doc in splits["train"]), d.vocab_size)
-    else:
+    if d.tokenizer != "bpe":
         tok = load_tokenizer(tokenizer_file(d.tokenizer))
+    elif d.mlm:
+        tok = train_bpe(_train_texts(d), d.vocab_size, mlm=True)  # with [CLS] and [MASK]
+    else:
+        tok = train_bpe(_train_texts(d), d.vocab_size)
     eos = eos_id(tok)
+    mlm = mlm_tokens(tok) if d.mlm else None  # before anything is written: no [MASK] = error
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if cfg.model.checkpoint is None and vocab > cfg.model.vocab_size:
         raise CorpusError(
@@ -92,53 +148,158 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         )
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = TokenStoreWriter(out, seq_len=d.seq_len, shard_rows=d.shard_rows)
+    labels = d.pairs or d.mlm  # stored: prompt masks, or mlm targets (unshifted)
+    writer = TokenStoreWriter(out, seq_len=d.seq_len, shard_rows=d.shard_rows, labels=labels)
     try:
         tok_tmp = writer.tmp / "tokenizer.json"
-        tok.save(str(tok_tmp))
-        n_tokens = 0
-        bar = tqdm(total=len(docs), desc="tokenize", unit="doc", disable=None)
-
-        def encoded(part):
-            nonlocal n_tokens
-            for i in range(0, len(part), 64):
-                batch = tok.encode_batch(
-                    [doc.text for doc in part[i : i + 64]], add_special_tokens=False
-                )
-                for enc in batch:
-                    n_tokens += len(enc.ids) + 1
-                    yield enc.ids
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):,.0f}")
-
-        for name, part in splits.items():
-            n = writer.write_split(name, pack(encoded(part), eos, d.seq_len))
-            if n == 0:
+        try:
+            tok.save(str(tok_tmp))
+        except Exception as e:  # tokenizers' I/O errors (a full disk) are not OSErrors
+            err = as_os_error(e, out)
+            if err is None:
+                raise
+            raise err from e
+        n_tokens, packers, seen = _encode_and_pack(cfg, tok, eos, mlm, writer, n_docs, t0)
+        if seen != corpus:  # read again for this pass: the store must hold what was hashed
+            raise CorpusError(
+                f"data.source {d.source!r} changed while it was tokenized (its documents now "
+                "hash differently); nothing was written: rerun when the corpus is settled"
+            )
+        for name in docs:
+            if writer.rows(name) == 0:
                 raise CorpusError(
                     f"the {name} split has fewer than S+1 = {d.seq_len + 1} tokens; "
                     "use more documents, a larger data.val_fraction or a smaller data.seq_len"
+                    + (
+                        " (or a larger data.seq_len: pairs longer than S+1 are dropped)"
+                        if d.pairs
+                        else ""
+                    )
                 )
-        bar.close()
+        extra = {}
+        if d.pairs:
+            extra["pairs"] = {k: dict(p.stats) for k, p in packers.items()}
+        if d.mlm:
+            extra["mlm"] = {k: dict(p.stats) for k, p in packers.items()}
+            extra["mlm_tokens"] = {"cls": mlm["cls"], "mask": mlm["mask_id"],
+                                   "special": [int(i) for i in mlm["special"]]}  # fmt: skip
         store = writer.commit(
             {
                 "fingerprint": fingerprint,
                 "config": cfg.to_dict(),
-                "documents": {k: len(v) for k, v in splits.items()},
+                "documents": docs,
                 "tokens_in_documents": n_tokens,
                 "vocab_size": vocab,
                 "eos_id": eos,
+                "objective": d.objective,
                 "tokenizer_sha256": file_hash(tok_tmp),
+                **extra,
             },
-            replace=force,
+            replace=replace,
         )
     except BaseException:
         writer.abort()
         raise
     dt = time.perf_counter() - t0
     c = store.manifest["counts"]
+    what = "pairs" if d.pairs else "documents"
     log(
-        f"tokenize: {len(docs)} documents ({len(splits['train'])} train / {len(splits['val'])} val), "
+        f"tokenize: {n_docs} {what} ({docs['train']} train / {docs['val']} val), "
+        f"objective {d.objective}, "
         f"{n_tokens:,} tokens, vocab {vocab}, S={d.seq_len}: {c['train']} train + {c['val']} val "
         f"samples in {dt:.1f}s ({n_tokens / dt:,.0f} tok/s) -> {out}"
     )
+    if d.pairs:
+        _log_pairs(store.manifest["pairs"], d, log)
+    if d.mlm:
+        t = store.manifest["mlm"]["train"]
+        log(
+            f"tokenize: mlm: {t['targets']:,} of {t['positions']:,} maskable train positions "
+            f"are targets ({t['mask_token']:,} [MASK], {t['random']:,} random, {t['kept']:,} "
+            f"kept; data.mask_fraction={d.mask_fraction}, data.mask_seed={d.mask_seed})"
+        )
     return store
+
+
+MASK_NAMES = ("[MASK]", "<mask>")
+CLS_NAMES = ("[CLS]", "<s>")
+
+
+def mlm_tokens(tok) -> dict:
+    """What masking needs of the tokenizer: cls (or None), mask_id, special (ids never masked
+    nor drawn as random replacements: its special added tokens), vocab."""
+    mask = next((i for n in MASK_NAMES if (i := tok.token_to_id(n)) is not None), None)
+    if mask is None:
+        raise CorpusError(
+            f"data.objective=mlm needs a mask token, and the tokenizer has none of "
+            f"{', '.join(MASK_NAMES)}; use a tokenizer with one (data.tokenizer=bpe adds [MASK])"
+        )
+    cls = next((i for n in CLS_NAMES if (i := tok.token_to_id(n)) is not None), None)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    special |= {mask, eos_id(tok)} | ({cls} if cls is not None else set())
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    return {"cls": cls, "mask_id": mask, "special": sorted(special), "vocab": vocab}
+
+
+def _encode_and_pack(
+    cfg: Config, tok, eos: int, mlm: dict | None, writer: TokenStoreWriter, n_docs: int, t0
+):
+    """Pass 3: encode the documents a batch at a time and pack each into its split's rows as
+    it comes (train and val interleaved); returns (tokens seen, the packers, the corpus hash of
+    what was read). mlm: `mlm_tokens(tok)` for data.objective=mlm, else None."""
+    d = cfg.data
+    if mlm is not None:
+        packers = {
+            s: MlmPacker(
+                eos, d.seq_len, split=s, seed=d.mask_seed, fraction=d.mask_fraction, **mlm
+            )  # fmt: skip
+            for s in ("train", "val")
+        }
+    elif d.pairs:
+        packers = {
+            s: PairPacker(eos, d.seq_len, split_pairs=d.split_pairs) for s in ("train", "val")
+        }
+    else:
+        packers = {s: Packer(eos, d.seq_len) for s in ("train", "val")}
+    n_tokens, corpus = 0, hashlib.sha256()
+    bar = tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None)
+    docs = iter_documents(d)
+    while batch := list(itertools.islice(docs, ENCODE_BATCH)):
+        texts = [doc.text for doc in batch]
+        if d.pairs:
+            texts += [doc.response for doc in batch]
+        enc = tok.encode_batch(texts, add_special_tokens=False)
+        for j, doc in enumerate(batch):
+            corpus.update(hashlib.sha256(doc.key()).digest())
+            split = "val" if is_val(doc, d) else "train"
+            if d.pairs:
+                p, r = enc[j].ids, enc[len(batch) + j].ids
+                n_tokens += len(p) + len(r) + 1
+                writer.add(split, *packers[split].add(p, r))
+            elif mlm is not None:
+                n_tokens += len(enc[j].ids) + 1
+                writer.add(split, *packers[split].add(enc[j].ids))
+            else:
+                n_tokens += len(enc[j].ids) + 1
+                writer.add(split, packers[split].add(enc[j].ids))
+        del enc
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):,.0f}")
+    bar.close()
+    if d.pairs:
+        for split, p in packers.items():
+            writer.add(split, *p.finish())
+    return n_tokens, packers, corpus.hexdigest()
+
+
+def _log_pairs(stats: dict, d: DataConfig, log) -> None:
+    for split, s in stats.items():
+        if s["dropped_too_long"]:
+            log(
+                f"tokenize: {split}: dropped {s['dropped_too_long']} of {s['pairs']} pairs longer "
+                f"than S+1 = {d.seq_len + 1} tokens (prompt + response + EOS); raise "
+                "data.seq_len to keep them, or set data.split_pairs=true"
+            )
+        if s["rows_without_targets"]:
+            log(f"tokenize: {split}: skipped {s['rows_without_targets']} rows holding no "
+                "response token")  # fmt: skip

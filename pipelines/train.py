@@ -13,13 +13,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 from core.config import ConfigError
-from pipelines.ray_env import ensure_ray, gpus_available
+from pipelines.ray_env import (
+    credentials_env,
+    ensure_ray,
+    gpus_available,
+    runtime_env_vars,
+    worker_config,
+    worker_payload,
+)
 from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
-from preinfer.config import Config, config_from_dict
+from preinfer.config import Config
 from preinfer.device import resolve_device
-from preinfer.guards import warn_trainer_memory
+from preinfer.guards import check_vocab, warn_trainer_memory
 from preinfer.metrics import last_visit_summary
+from preinfer.tokenization import check_store_objective
 from preinfer.visit import Visit, VisitHooks, VisitSpec
 from storage.tokens import TokenStore
 
@@ -53,11 +61,20 @@ def cpus_per_worker(cfg: Config) -> float:
     return max(1, (os.cpu_count() or 1) // max(1, cfg.train.workers))
 
 
+def worker_args(cfg: Config, spec: VisitSpec) -> tuple[dict, dict]:
+    """(train_loop_config, worker runtime_env) of the Ray Train workers, Ray started: the
+    config as plain data with the storage credentials masked (Ray Train keeps the loop config
+    where it can be read back); they reach the workers in their environment instead."""
+    loop = {"cfg": worker_payload(cfg), "spec": asdict(spec), "threads": cpus_per_worker(cfg)}
+    env = runtime_env_vars(credentials_env(cfg))
+    return loop, ({"env_vars": env} if env else {})
+
+
 def _worker_loop(config: dict) -> None:
     """Ray Train per-worker entry: rebuild from plain data, run the visit, report the summary."""
     import ray.train
 
-    cfg = config_from_dict(config["cfg"])
+    cfg = worker_config(config["cfg"])
     spec = VisitSpec(**config["spec"])
     ctx = ray.train.get_context()
     device = resolve_device(cfg.run.device)
@@ -90,18 +107,15 @@ def run_train(
     caches: the boundary caches' fingerprints by split, when the caller has planned them;
     hooks: a visit's extension points (in this process only: not sent to Ray Train workers)."""
     mode = mode or cfg.train.mode
-    if cfg.model.arch == "bert":
-        raise ConfigError(
-            "model.arch=bert: training needs a masked-LM objective, which preinfer does not "
-            "implement yet; bert models are supported for caching (cache build) and reuse"
-        )
     # pre-flight in the driver: bad input fails here with one clear line, not inside a worker
+    store = TokenStore(cfg.data.out_dir)
+    check_store_objective(cfg.data, store)  # bert: masked-LM rows, never next-token ones
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     if not 0 <= block < ckpt.num_blocks:
         raise ConfigError(
             f"--block {block} is out of range: the checkpoint has blocks 0..{ckpt.num_blocks - 1}"
         )
-    TokenStore(cfg.data.out_dir)
+    check_vocab(ckpt, store)  # ids past the embedding: refused here
     spec = visit_spec(cfg, block, round_, mode, caches)
     if memory_check:
         try:
@@ -120,15 +134,12 @@ def run_train(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    ensure_ray(cfg.run.verbose, log=log)
+    ensure_ray(cfg.run.verbose, log=log, env=credentials_env(cfg))
     use_gpu = cfg.run.device != "cpu" and gpus_available()
+    loop_config, runtime_env = worker_args(cfg, spec)
     trainer = TorchTrainer(
         _worker_loop,
-        train_loop_config={
-            "cfg": cfg.to_dict(),
-            "spec": asdict(spec),
-            "threads": cpus_per_worker(cfg),
-        },
+        train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=workers,
@@ -138,6 +149,7 @@ def run_train(
         run_config=ray.train.RunConfig(
             name=f"r{round_}-b{block}-{mode}",
             storage_path=str((Path(cfg.run.dir) / "ray_train").resolve()),
+            worker_runtime_env=runtime_env,
         ),
     )
     trainer.fit()

@@ -285,14 +285,16 @@ def plan_caches(
             continue
         missing: list[int] = []
         if create:
-            rows = src.store.read_indices(split, sorted_idx)[order]  # (N, S+1) int32, row order
+            # (N, S+1) ids and (N, S) labels (IGNORE where masked) int32, in row order
+            rows, labels = src.store.read_indices_with_labels(split, sorted_idx)
+            rows, labels = rows[order], labels[order]
             writer = CacheWriter.create(
                 cfg.cache.root,
                 fp,
                 samples={
                     "sample_id": idx.astype(np.int64),
                     "input_ids": rows[:, :-1],
-                    "labels": rows[:, 1:],
+                    "labels": labels,
                 },
                 seq_len=src.store.seq_len,
                 hidden_size=src.ckpt.hidden_size,

@@ -4,10 +4,15 @@
       checkpoint.json                       written LAST (temp file + os.replace): the commit point
       block_000-<hash8>.safetensors         block 0's owned tensors (embed + its layers)
       block_001-<hash8>.safetensors         ...
+      optim_000-<hash8>.safetensors         with train.keep_optimizer_state: block 0's optimizer
+                                            state as its last visit left it (named and hashed in
+                                            checkpoint.json; not part of the block hash)
 
-File names carry the block's content hash, so a commit writes a new file beside the old one,
-then replaces checkpoint.json, then deletes the old file: a reader holding the old index never
-sees its file overwritten, and a crash at any point leaves a consistent checkpoint.
+File names carry their content hash, so a commit writes every new file (of one block, or of all
+M in --mode full) beside the old ones, then replaces checkpoint.json ONCE, then deletes the old
+files: a reader holding the old index never sees its file overwritten, and a crash at any point
+leaves the old or the new checkpoint, never a mix. A local commit holds <dir>/.lock and ends by
+sweeping what killed commits left (temps, files checkpoint.json does not name).
 
 Tied tensors (GPT-2's lm_head.weight = wte.weight) are stored once, in block 0's file. A later
 block that needs one (the head of block M-1) reads just that tensor from block 0's file by name;
@@ -18,10 +23,10 @@ ONE PUT (atomic: never visible half-written) in the same order: new block file, 
 checkpoint.json (the commit point), then the old file's delete. `init_checkpoint` writes the
 block files straight under the prefix and checkpoint.json last (no directory rename there).
 
-Here: `Checkpoint`, an opened checkpoint (what its index says, reading and hash-checking blocks,
-committing one block). The format itself (constants, file names, the index, atomic file writes)
-is in preinfer/checkpoint_format.py, creating a checkpoint (`init_checkpoint`) in
-preinfer/checkpoint_init.py; their public names are re-exported here.
+Here: `Checkpoint`, an opened checkpoint (what its index says, reading and hash-checking blocks
+and optimizer states, committing blocks). The format itself (constants, file names, the index,
+atomic file writes) is in preinfer/checkpoint_format.py, creating a checkpoint
+(`init_checkpoint`) in preinfer/checkpoint_init.py; their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -35,21 +40,27 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
+from core import faults
 from core.config import from_dict
 from core.fingerprint import chain, tensors_hash
 from preinfer.adapters import Adapter, get_adapter
 from preinfer.checkpoint_format import (
     _PLAIN_BLOCK_FILE,
+    _PLAIN_OPTIM_FILE,
     FORMAT,
     FORMAT_VERSION,
     INDEX,
     CheckpointError,
     _block_file_name,
+    _checked_state,
     _cpu_state,
-    _spec,
+    _files,
+    _optim_file_name,
     _stable_hf,
+    _sweep,
     _write_block_file,
     _write_json_atomic,
+    _writer_lock,
 )
 from preinfer.modeling import ModelConfig, build_model, materialise
 from preinfer.partition import (
@@ -95,10 +106,18 @@ class Checkpoint:
             )
         blocks = index.get("blocks") if isinstance(index.get("blocks"), list) else [None]
         names = [b.get("file") if isinstance(b, dict) else b for b in blocks]
-        if not all(isinstance(f, str) and _PLAIN_BLOCK_FILE.fullmatch(f) for f in names):
-            raise CheckpointError(  # commit_block reads and later unlinks the named file
-                f"{idx} names a block file that is not a plain block_*.safetensors file inside "
-                f"the checkpoint ({names!r:.160}); the checkpoint is damaged or hand-edited"
+        optim = [b.get("optim") for b in blocks if isinstance(b, dict) and "optim" in b]
+        onames = [  # an entry lacking its hash or optimizer is as damaged as a bad name
+            o.get("file") if isinstance(o, dict) and isinstance(o.get("hash"), str)
+            and isinstance(o.get("optimizer"), str) else repr(o) for o in optim
+        ]  # fmt: skip
+        if not all(isinstance(f, str) and _PLAIN_BLOCK_FILE.fullmatch(f) for f in names) or not all(
+            isinstance(f, str) and _PLAIN_OPTIM_FILE.fullmatch(f) for f in onames
+        ):
+            raise CheckpointError(  # a commit reads and later unlinks the named files
+                f"{idx} names a file that is not a plain block_/optim_*.safetensors file inside "
+                f"the checkpoint ({(names + onames)!r:.160}); the checkpoint is damaged or "
+                "hand-edited"
             )
         return cls(p, index)
 
@@ -278,10 +297,46 @@ class Checkpoint:
         materialise(model, loaded, self.tied, device)
         return model.eval(), adapter
 
+    def optimizer_state(self, b: int) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """Block b's kept optimizer state, hash-checked: (optimizer, {'<param>::<key>': tensor}),
+        or None when its last commit kept none (train.keep_optimizer_state off)."""
+        entry = self.index["blocks"][self._check_block(b)].get("optim")
+        if entry is None:
+            return None
+        path = self.path / entry["file"]
+        fix = (
+            "restore it, or set train.keep_optimizer_state=false to train the block with a fresh "
+            "optimizer (its next commit drops the saved state)"
+        )
+        try:
+            tensors = load_safetensors(path.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"block {b}'s optimizer state file {path.name} is missing from {self.path}; {fix}"
+            ) from None
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"block {b}'s optimizer state file {path.name} is unreadable ({e}); {fix}"
+            ) from None
+        if tensors_hash(tensors) != entry["hash"]:
+            raise CheckpointError(
+                f"block {b}'s optimizer state file {path.name} does not match the hash in {INDEX}: "
+                f"it was modified or replaced; {fix}"
+            )
+        return entry["optimizer"], tensors
+
     def verify(self) -> None:
-        """Read every block file and check its hash (raises CheckpointError naming the block)."""
+        """Read every block file (and kept optimizer state) and check its hash (raises
+        CheckpointError naming the block)."""
         for b in range(self.num_blocks):
             self._read_block(b)
+            self.optimizer_state(b)
+
+    def tidy(self) -> None:
+        """Delete what a commit killed before its end left (old files, temps); a local
+        checkpoint only (an object store's commit deletes its old files itself)."""
+        with _writer_lock(self.path):
+            _sweep(self.path, _files(self.index))
 
     # ---- writing ----
     def block_state(self, model: nn.Module, adapter: Adapter, b: int) -> dict[str, torch.Tensor]:
@@ -291,54 +346,75 @@ class Checkpoint:
         return _cpu_state(adapter.tensors(), names, f"block {b}")
 
     def commit_block(self, b: int, tensors: dict[str, torch.Tensor]) -> str:
-        """Make `tensors` block b's new weights; returns the new block hash. The new file is
-        written aside, then checkpoint.json is replaced atomically, then the old file deleted."""
-        blk = self.index["blocks"][self._check_block(b)]
-        expect, got = set(blk["tensors"]), set(tensors)
-        if got != expect:
-            tied = sorted(
-                n for n in got - expect if n in self.tied or n in self.index["tied_hashes"]
-            )
-            if tied:
-                raise CheckpointError(
-                    f"block {b} may not write tied tensor(s) {tied}: they belong to block "
-                    f"{self._block_of(self.tied.get(tied[0], tied[0]))}; leave them out"
-                )
+        """Make `tensors` block b's new weights; returns the new block hash (commit_blocks)."""
+        return self.commit_blocks({b: tensors})[b]
+
+    def commit_blocks(
+        self,
+        blocks: dict[int, dict[str, torch.Tensor]],
+        *,
+        optim: dict[int, dict[str, torch.Tensor]] | None = None,
+        optimizer: str | None = None,
+    ) -> dict[int, str]:
+        """Make `blocks` ({b: tensors}) those blocks' new weights in ONE commit; returns their
+        hashes. optim: each block's optimizer state ({'<param>::<key>': tensor}, made by
+        `optimizer`) kept beside it; without it a committed block's saved state is dropped
+        (it belonged to the old weights). Every new file is written aside, then checkpoint.json
+        is replaced once (the commit point), then the files it no longer names are deleted."""
+        if not blocks:
+            raise CheckpointError("commit_blocks needs at least one block")
+        if optim is not None and (set(optim) != set(blocks) or not optimizer):
             raise CheckpointError(
-                f"commit of block {b}: tensor names differ from the block's "
-                f"(missing {sorted(expect - got)[:3]}, unexpected {sorted(got - expect)[:3]})"
+                f"commit of blocks {sorted(blocks)}: optimizer state must come for exactly those "
+                f"blocks (got {sorted(optim)}) and name its optimizer (got {optimizer!r})"
             )
-        state = {}
-        for n in sorted(expect):
-            t = tensors[n].detach()
-            if t.is_meta:
-                raise CheckpointError(f"commit of block {b}: {n} is on the meta device")
-            if _spec(t) != blk["specs"][n]:
-                raise CheckpointError(
-                    f"commit of block {b}: {n} is {_spec(t)}, the checkpoint holds {blk['specs'][n]}"
-                )
-            state[n] = t.to("cpu").contiguous()
-        digest = tensors_hash(state)
-        if digest == blk["hash"]:
-            return digest
-        on_disk = Checkpoint.open(self.path).index
-        if on_disk.get("generation") != self.index.get("generation"):
-            raise CheckpointError(
-                f"{self.path} changed on disk since it was opened (another writer?); reopen it "
-                "with Checkpoint.open and retry"
-            )
-        name = _block_file_name(b, digest)
-        if name == blk["file"]:
-            raise CheckpointError(f"block {b}: hash prefix collision on {name}; cannot commit")
-        _write_block_file(self.path / name, state, {"preinfer_block": str(b), "hash": digest})
         new = json.loads(json.dumps(self.index))
-        new["generation"] = self.index.get("generation", 0) + 1
-        new["blocks"][b].update(file=name, hash=digest)
-        for owner in new["tied_hashes"]:
-            if owner in state:
-                new["tied_hashes"][owner] = tensors_hash({owner: state[owner]})
-        _write_json_atomic(self.path / INDEX, new)  # the commit point
-        old = self.path / blk["file"]
-        self.index = new
-        old.unlink(missing_ok=True)
-        return digest
+        writes = []  # (file name, tensors, hash), in commit order
+        for b in sorted(blocks):
+            state = _checked_state(self.index, self._check_block(b), blocks[b])
+            digest, entry = tensors_hash(state), new["blocks"][b]
+            if digest != entry["hash"]:
+                writes.append((_new_name(_block_file_name(b, digest), entry), state, digest))
+                entry.update(file=writes[-1][0], hash=digest)
+                for owner in new["tied_hashes"]:
+                    if owner in state:
+                        new["tied_hashes"][owner] = tensors_hash({owner: state[owner]})
+            if optim is None:
+                entry.pop("optim", None)  # the old state belonged to the old weights
+            else:
+                ostate = _cpu_state(optim[b], sorted(optim[b]), f"optimizer state of block {b}")
+                odigest, old = tensors_hash(ostate), entry.get("optim") or {}
+                name = old.get("file")
+                if odigest != old.get("hash"):
+                    name = _new_name(_optim_file_name(b, odigest), old)
+                    writes.append((name, ostate, odigest))
+                entry["optim"] = {"file": name, "hash": odigest, "optimizer": optimizer}
+        hashes = {b: new["blocks"][b]["hash"] for b in blocks}
+        if new == self.index:
+            return hashes  # the same bytes are committed already
+        with _writer_lock(self.path):
+            on_disk = Checkpoint.open(self.path).index
+            if on_disk.get("generation") != self.index.get("generation"):
+                raise CheckpointError(
+                    f"{self.path} changed on disk since it was opened (another writer?); reopen "
+                    "it with Checkpoint.open and retry"
+                )
+            new["generation"] = self.index.get("generation", 0) + 1
+            for name, tensors, digest in writes:
+                # one metadata key: safetensors writes several in a random order
+                _write_block_file(self.path / name, tensors, {"hash": digest})
+                faults.kill_point("checkpoint.file")
+            _write_json_atomic(self.path / INDEX, new)  # the commit point
+            faults.kill_point("checkpoint.index")
+            old_files, self.index = _files(self.index) - _files(new), new
+            for f in sorted(old_files):
+                (self.path / f).unlink(missing_ok=True)
+                faults.kill_point("checkpoint.unlink")
+            _sweep(self.path, _files(new))
+        return hashes
+
+
+def _new_name(name: str, old: dict) -> str:
+    if name == old.get("file"):
+        raise CheckpointError(f"hash prefix collision on {name}; cannot commit")
+    return name

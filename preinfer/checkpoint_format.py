@@ -2,35 +2,43 @@
 
 The layout and commit order are described in preinfer/checkpoint.py (the `Checkpoint` that reads
 and commits them). Here: the format constants (FORMAT, FORMAT_VERSION, INDEX = checkpoint.json),
-`CheckpointError`, the atomic writers of the two kinds of file (a block's .safetensors, the JSON
-index; one PUT each on an object store), block file names (block_<b:03d>-<hash8>.safetensors),
-and building the index for a freshly cut model, with the content key that says whether two
-checkpoints are "the same".
+`CheckpointError`, the atomic writers of the two kinds of file (a .safetensors of a block's
+weights or optimizer state, the JSON index; one PUT each on an object store), file names
+(block_<b:03d>-<hash8>.safetensors, optim_<b:03d>-<hash8>.safetensors), the writer lock and
+the sweep of what killed commits left, and building the index for a freshly cut model, with
+the content key that says whether two checkpoints are "the same".
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 from torch import nn
 
+from core import faults
 from core.config import to_dict
 from core.fingerprint import hash_obj, tensors_hash
 from preinfer.adapters import Adapter
 from preinfer.modeling import ModelConfig
 from preinfer.partition import Partition
 from storage import fs
+from storage.atomic import as_os_error
 
 FORMAT = "preinfer-checkpoint"
 FORMAT_VERSION = 1
 INDEX = "checkpoint.json"
+LOCK = ".lock"  # flock'ed by a local commit (never read)
 
 
 class CheckpointError(ValueError):
@@ -67,6 +75,7 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        faults.kill_point("checkpoint.index_tmp")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -80,9 +89,16 @@ def _write_block_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) 
         return
     tmp = _tmp_beside(path)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        except SafetensorError as e:  # its I/O errors (disk full...) are not OSErrors
+            err = as_os_error(e, path)
+            if err is None:
+                raise
+            raise err from e
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        faults.kill_point("checkpoint.file_tmp")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -90,10 +106,45 @@ def _write_block_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) 
 
 
 _PLAIN_BLOCK_FILE = re.compile(r"block_[0-9]+-[0-9a-f]+\.safetensors")
+_PLAIN_OPTIM_FILE = re.compile(r"optim_[0-9]+-[0-9a-f]+\.safetensors")
+# temps of the writers above, as _tmp_beside names them
+_PARTIAL = re.compile(r"\.(block_|optim_|checkpoint\.json).*\.partial")
 
 
 def _block_file_name(b: int, digest: str) -> str:
     return f"block_{b:03d}-{digest[:8]}.safetensors"
+
+
+def _optim_file_name(b: int, digest: str) -> str:
+    return f"optim_{b:03d}-{digest[:8]}.safetensors"
+
+
+@contextmanager
+def _writer_lock(path: Path) -> Iterator[None]:
+    """One committer at a time on a local checkpoint (flock on <dir>/.lock): a commit's sweep
+    then never deletes a file another writer has in flight. Object stores: no lock (one writer
+    by contract; the generation check catches a second)."""
+    if fs.is_url(path):
+        yield
+        return
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _sweep(path: Path, keep: set[str]) -> None:
+    """Under the writer lock: delete what killed commits left in a local checkpoint, the temps
+    of its writers and block/optimizer files checkpoint.json does not name (`keep`)."""
+    if fs.is_url(path):
+        return
+    for p in path.iterdir():
+        name = p.name
+        plain = _PLAIN_BLOCK_FILE.fullmatch(name) or _PLAIN_OPTIM_FILE.fullmatch(name)
+        if (plain and name not in keep) or _PARTIAL.fullmatch(name):
+            p.unlink(missing_ok=True)
 
 
 def _spec(t: torch.Tensor) -> list:
@@ -108,6 +159,43 @@ def _cpu_state(tensors: dict[str, torch.Tensor], names: list[str], what: str) ->
             raise CheckpointError(f"{what}: tensor {n} is not loaded (meta); load its block first")
         out[n] = t.detach().to("cpu").contiguous()
     return out
+
+
+def _checked_state(index: dict, b: int, tensors: dict[str, torch.Tensor]) -> dict:
+    """Block b's tensors as a commit writes them (CPU, contiguous), checked against the names,
+    dtypes and shapes `index` holds for the block."""
+    blk = index["blocks"][b]
+    expect, got = set(blk["tensors"]), set(tensors)
+    if got != expect:
+        tied = sorted(n for n in got - expect if n in index["tied"] or n in index["tied_hashes"])
+        if tied:
+            owner = index["tied"].get(tied[0], tied[0])
+            where = [i for i, x in enumerate(index["blocks"]) if owner in x["specs"]]
+            raise CheckpointError(
+                f"block {b} may not write tied tensor(s) {tied}: they belong to block "
+                f"{where[0] if where else '?'}; leave them out"
+            )
+        raise CheckpointError(
+            f"commit of block {b}: tensor names differ from the block's "
+            f"(missing {sorted(expect - got)[:3]}, unexpected {sorted(got - expect)[:3]})"
+        )
+    state = {}
+    for n in sorted(expect):
+        t = tensors[n].detach()
+        if t.is_meta:
+            raise CheckpointError(f"commit of block {b}: {n} is on the meta device")
+        if _spec(t) != blk["specs"][n]:
+            raise CheckpointError(
+                f"commit of block {b}: {n} is {_spec(t)}, the checkpoint holds {blk['specs'][n]}"
+            )
+        state[n] = t.to("cpu").contiguous()
+    return state
+
+
+def _files(index: dict) -> set[str]:
+    """The block and optimizer files an index names."""
+    optim = {(blk.get("optim") or {}).get("file") for blk in index["blocks"]}
+    return {blk["file"] for blk in index["blocks"]} | (optim - {None})
 
 
 # ---- the index ----

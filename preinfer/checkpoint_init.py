@@ -23,10 +23,12 @@ from preinfer.checkpoint_format import (
     CheckpointExists,
     _content_key,
     _cpu_state,
+    _files,
     _fsync_dir,
     _make_index,
     _write_block_file,
     _write_json_atomic,
+    _writer_lock,
 )
 from preinfer.modeling import ModelConfig, build_model
 from preinfer.partition import block_tensor_names, partition_model
@@ -67,17 +69,16 @@ def init_checkpoint(
                 "replace it"
             )
         referenced = {b["file"]: b["hash"] for b in existing.index["blocks"]}
-        for blk, state in zip(index["blocks"], states, strict=True):
-            if referenced.get(blk["file"]) == blk["hash"]:
-                continue  # the same bytes are already there under this name
-            if blk["file"] in referenced:
-                raise CheckpointError(f"hash prefix collision on {blk['file']}; cannot replace")
-            _write_block_file(out / blk["file"], state, {"hash": blk["hash"]})
-        index["generation"] = existing.index.get("generation", 0) + 1
-        _write_json_atomic(out / INDEX, index)
-        keep = {b["file"] for b in index["blocks"]}
-        for f in referenced:
-            if f not in keep:
+        with _writer_lock(out):  # no commit runs meanwhile
+            for blk, state in zip(index["blocks"], states, strict=True):
+                if referenced.get(blk["file"]) == blk["hash"]:
+                    continue  # the same bytes are already there under this name
+                if blk["file"] in referenced:
+                    raise CheckpointError(f"hash prefix collision on {blk['file']}; cannot replace")
+                _write_block_file(out / blk["file"], state, {"hash": blk["hash"]})
+            index["generation"] = existing.index.get("generation", 0) + 1
+            _write_json_atomic(out / INDEX, index)
+            for f in _files(existing.index) - _files(index):  # old weights and optimizer states
                 (out / f).unlink(missing_ok=True)
         return Checkpoint.open(out)
     if fs.is_url(out):

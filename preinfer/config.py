@@ -19,7 +19,7 @@ from core.config import ConfigError, apply_override, from_dict, load_yaml, to_di
 from preinfer.cache_identity import PreinferConfig
 from preinfer.modeling import ModelConfig
 from preinfer.partition import PartitionConfig
-from preinfer.tokenization import DataConfig
+from preinfer.tokenization import DataConfig, resolve_objective
 from preinfer.trainer import TrainConfig
 from storage import fs
 from storage.config import CacheConfig, StorageConfig
@@ -83,6 +83,7 @@ class Config:
         self.run.checkpoint = _absolute(self.run.checkpoint)
         self.cache.root = _absolute(self.cache.root)
 
+        resolve_objective(self.data, self.model.arch)  # data.objective null -> by model.arch
         fs.configure(self.storage)  # options of s3:// paths in this process (and Ray workers)
         set_codec_threads(self.cache.codec_threads)
         if self.model.checkpoint is None and self.data.seq_len > self.model.max_positions:
@@ -92,9 +93,11 @@ class Config:
             )
 
     def to_dict(self) -> dict:
+        """Plain data, credentials masked (core.config.to_dict)."""
         return to_dict(self)
 
     def to_json(self) -> str:
+        """The config as printed and saved: credentials masked."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 

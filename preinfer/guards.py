@@ -3,6 +3,8 @@
     check_disk_for_cache(cfg, block)   # `cache build/refresh --block K`: raises DiskSpaceError
     check_disk_for_cache(cfg)          # `bcd`: the rotation's peak (two boundaries, or M-1 kept)
     warn_trainer_memory(cfg)           # `bcd`/`train`: a warning when the estimate exceeds the device
+    check_vocab(ckpt, store)           # init/bcd/train/cache build: ids the embedding can look up
+    check_same_tokens(recorded, store) # bcd resume: the token store the rotation started on
 
 Sizes are estimates (preinfer.memory.s arithmetic): the cache's uncompressed upper bound
 (storage.cache.estimate_cache_bytes) divided by the codec's compression ratio as measured on a
@@ -16,6 +18,7 @@ import math
 import statistics
 from pathlib import Path
 
+from core.config import ConfigError
 from preinfer.cache_identity import visit_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_format import CheckpointError
@@ -95,10 +98,11 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
     cache.root. block=K: the boundary-K caches; given `plans` (that boundary's CachePlan list
     from pipelines.preinfer, create=False is enough) complete caches and committed shards are
     credited, so a resumed build needs only the rest. block=None: the bcd rotation's peak, two
-    boundaries at once (the refresh source and its target), or all M-1 with cache.keep; a mode
-    (default train.mode) other than bcd writes no caches. Conservative on a resumed rotation:
-    caches already on disk are not credited. Returns the figures, or None when there is nothing
-    to check (no token store yet: the stage itself reports that)."""
+    boundaries at once (the refresh source and its target), or all M-1 with cache.keep or
+    train.order=descending; a mode (default train.mode) other than bcd writes no caches.
+    Conservative on a resumed rotation: caches already on disk are not credited. Returns the
+    figures, or None when there is nothing to check (no token store yet: the stage itself
+    reports that)."""
 
     dims = _dims(cfg)
     if dims is None:
@@ -108,7 +112,9 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
     if block is None:
         if (mode or cfg.train.mode) != "bcd" or M < 2:
             return None
-        count = M - 1 if cfg.cache.keep else min(2, M - 1)
+        # descending order keeps every boundary of a round until its block trains
+        every = cfg.cache.keep or cfg.train.order == "descending"
+        count = M - 1 if every else min(2, M - 1)
         need, what = count * per["expected"], f"the bcd rotation ({count} boundaries at once)"
     elif plans is not None:  # what is still to write: committed shards (done markers) count
         rps = rows_per_shard(seq, hidden, cfg.cache.dtype, cfg.cache.shard_mb)
@@ -185,3 +191,66 @@ def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = Non
                "or lower train.batch_size / data.seq_len (`preinfer plan` shows the breakdown)")  # fmt: skip
         (log or (lambda m: warnings.warn(m, ResourceWarning, stacklevel=3)))(msg)
     return worst
+
+
+def check_vocab(ckpt, store) -> None:
+    """Refuse, in the driver, a token store whose ids the checkpoint's embedding cannot look up
+    (else an IndexError inside a worker) or whose samples exceed the model's positions."""
+    if store.vocab_size > ckpt.vocab_size:
+        raise ConfigError(
+            f"the token store at {store.path} has {store.vocab_size} tokens but the checkpoint "
+            f"{ckpt.path} embeds {ckpt.vocab_size}: its ids would index past the embedding. "
+            f"Re-tokenize with data.vocab_size <= {ckpt.vocab_size} (or the model's own "
+            f"tokenizer), or init the model with model.vocab_size >= {store.vocab_size}"
+        )
+    max_pos = ckpt.max_positions
+    if max_pos is not None and store.seq_len > max_pos:
+        raise ConfigError(
+            f"the token store's S={store.seq_len} is larger than the model's {max_pos} positions; "
+            "lower data.seq_len and re-tokenize"
+        )
+
+
+# what a token store's identity is made of, as its manifest records it (named when it changes)
+_DATA_KEYS = ("source", "text_field", "hf_split", "max_documents", "tokenizer", "vocab_size",
+              "seq_len", "val_fraction", "split_seed")  # fmt: skip
+
+
+def token_record(store) -> dict:
+    """What a run keeps of the token store it trains on (state.json's "tokens")."""
+    m = store.manifest
+    data = (m.get("config") or {}).get("data") or {}
+    return {
+        "fingerprint": store.fingerprint,
+        "path": str(store.path),
+        "vocab_size": store.vocab_size,
+        "seq_len": store.seq_len,
+        "counts": m.get("counts"),
+        "tokenizer_sha256": m.get("tokenizer_sha256"),
+        "data": {k: data.get(k) for k in _DATA_KEYS},
+    }
+
+
+def check_same_tokens(recorded: dict, store, where: str) -> None:
+    """Refuse to go on training over a token store other than the one `recorded` (a
+    token_record) names: a re-tokenize since (other corpus, tokenizer or vocab) gives ids that
+    mean something else to the weights trained so far. `where`: the file holding the record."""
+    if recorded.get("fingerprint") == store.fingerprint:
+        return
+    now = token_record(store)
+    old_data, new_data = recorded.get("data") or {}, now["data"]
+    changed = [f"data.{k} {old_data.get(k)!r} -> {new_data[k]!r}" for k in _DATA_KEYS
+               if k in old_data and old_data.get(k) != new_data[k]]  # fmt: skip
+    for k, what in (("vocab_size", "tokenizer vocab"), ("seq_len", "S"), ("counts", "samples")):
+        if recorded.get(k) != now[k]:
+            changed.append(f"{what} {recorded.get(k)} -> {now[k]}")
+    if recorded.get("tokenizer_sha256") != now["tokenizer_sha256"]:
+        changed.append("tokenizer.json differs")
+    raise ConfigError(
+        f"the token store changed under this run: {where} says it started on tokens "
+        f"{str(recorded.get('fingerprint'))[:12]} ({recorded.get('path')}), but {store.path} now "
+        f"holds {store.fingerprint[:12]} ({'; '.join(changed) or 'other corpus text or split'}); "
+        "the weights trained so far would read ids that now mean something else. Re-tokenize "
+        "back (`preinfer tokenize --force` with the data settings the run started with), or "
+        "start over in a fresh run.dir"
+    )

@@ -22,12 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from preinfer.adapters import forward_blocks
-
-IGNORE = -100  # label of a position that does not count (F.cross_entropy's default)
+from storage.tokens import IGNORE  # label of a position that does not count (F.cross_entropy's)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits (B, S, V), labels (B, S) long, in fp32."""
+    """Mean cross-entropy of logits[:, t] against labels[:, t], in fp32; logits (B, S, V), labels
+    (B, S) long. No shift here: labels[:, t] is already position t's target (the next token
+    for a causal LM, see split_sample; the original token of a masked position for mlm)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
 
 
@@ -128,7 +129,13 @@ def head_loss(adapter, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -
     """Mean LM loss of the hidden (B, S, H) leaving the last layer; labels (B, S) long.
 
     chunk > 0 and a head of (norm or transform) + linear: the fused chunked loss; else the plain
-    loss over the whole batch's logits (same value, more memory)."""
+    loss over the whole batch's logits (same value, more memory). The head acts per position,
+    so it runs only where a label counts when some do not (an mlm row's ~15% masked positions,
+    a prompt/response row's responses): the same loss and gradients, a fraction of the work."""
+    keep = labels != IGNORE  # (B, S)
+    n = int(keep.sum())
+    if 0 < n < keep.numel():
+        hidden, labels = hidden[keep][None], labels[keep][None]  # (1, n, H), (1, n)
     split = adapter.head_split() if chunk > 0 else None
     if split is None:
         return lm_loss(adapter.head(hidden), labels)
@@ -165,10 +172,22 @@ def mode_loss(
     return blocks_loss(adapter, partition, x, labels, start, chunk)
 
 
-def split_sample(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, S+1) int32 token rows -> inputs (n, S) long and labels (n, S) long."""
+def split_sample(
+    rows: np.ndarray, labels: np.ndarray | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, S+1) int32 token rows [and their (n, S) stored labels, IGNORE where masked] ->
+    inputs (n, S) long and labels (n, S) long. The one place a causal shift is made: without
+    stored labels, labels = rows[:, 1:] (next token); stored labels are used as they are
+    (prompt/response: shifted when packed; mlm: unshifted, the masked inputs' own ids)."""
     t = torch.from_numpy(np.ascontiguousarray(rows)).long()
-    return t[:, :-1], t[:, 1:]
+    if labels is None:
+        return t[:, :-1], t[:, 1:]
+    return t[:, :-1], torch.from_numpy(np.ascontiguousarray(labels)).long()
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Positions that count in the loss (labels != IGNORE): the weight of a batch's mean loss."""
+    return int((labels != IGNORE).sum())
 
 
 @torch.inference_mode()
@@ -183,6 +202,9 @@ def evaluate_tokens(
 ) -> dict:
     """Mean loss and perplexity of `forward(input_ids) -> logits` over the first batches of a split.
 
+    The mean is over the positions that count: every token of a text store, the response
+    tokens (and their EOS) of a prompt/response store, the masked positions of an mlm store;
+    `tokens` is how many there were.
     Deterministic: always the same leading batches, so evaluations are comparable over time.
     """
     n = store.num_samples(split)
@@ -190,9 +212,14 @@ def evaluate_tokens(
         n = min(n, max_batches * batch_size)
     total, count = 0.0, 0
     for start in range(0, n, batch_size):
-        ids, labels = split_sample(store.read(split, start, min(n, start + batch_size)))
+        ids, labels = split_sample(
+            *store.read_with_labels(split, start, min(n, start + batch_size))
+        )
+        k = count_targets(labels)
+        if not k:
+            continue  # nothing counts in this batch (lm_loss would be nan)
         logits = forward(ids.to(device))
-        total += lm_loss(logits, labels.to(device)).item() * labels.numel()
-        count += labels.numel()
+        total += lm_loss(logits, labels.to(device)).item() * k
+        count += k
     loss = total / max(count, 1)
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
+import string
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import Literal
 
 from core.config import ConfigError
 from preinfer.modeling import resolve_package_path
@@ -19,8 +21,20 @@ from preinfer.modeling import resolve_package_path
 class DataConfig:
     source: str = "builtin"
     """'builtin' (the interpreter's stdlib .py files), local file/dir paths (text/jsonl/parquet), or 'hf:<name>[:<config>]'."""
+    objective: Literal["causal", "mlm"] | None = None
+    """causal: predict the next token; mlm: masked LM, static masks chosen at tokenize time; null = by model.arch (bert: mlm, others: causal)."""
+    format: Literal["text", "prompt_response"] = "text"
+    """text: documents, every token a target; prompt_response: jsonl/parquet/HF rows of a prompt and a response, loss on the response only."""
     text_field: str = "text"
-    """Column holding the text in jsonl/parquet/HF sources."""
+    """Column holding the text in jsonl/parquet/HF sources (format text)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt (format prompt_response, when prompt_template is null)."""
+    prompt_template: str | None = None
+    """Prompt built from columns, e.g. '{instruction}\\n{input}\\n### Response:\\n' (null = the prompt_field column as is; a null value reads as '')."""
+    response_field: str = "response"
+    """Column holding the response (format prompt_response)."""
+    split_pairs: bool = False
+    """prompt_response: cut the stream of pairs every S+1 tokens like text (a pair may span rows); false = whole pairs per row, padded, a pair longer than S+1 tokens dropped."""
     hf_split: str = "train"
     """Split read from an 'hf:' source."""
     max_documents: int | None = None
@@ -39,6 +53,10 @@ class DataConfig:
     """Samples per Parquet shard of the token store."""
     out_dir: str | None = None
     """Token store directory; null = <run.dir>/tokens."""
+    mask_fraction: float = 0.15
+    """mlm: fraction of a row's maskable (non-special) positions made targets: 80% [MASK], 10% a random token, 10% kept."""
+    mask_seed: int = 0
+    """mlm: seed of the static masks (in the token store's fingerprint)."""
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -53,6 +71,79 @@ class DataConfig:
             raise ConfigError(f"data.max_documents must be >= 2 or null, got {self.max_documents}")
         if self.shard_rows < 1:
             raise ConfigError(f"data.shard_rows must be >= 1, got {self.shard_rows}")
+        if self.prompt_template is not None:
+            template_fields(self.prompt_template)  # a ConfigError if it is not a valid template
+        if not 0.0 < self.mask_fraction < 1.0:
+            raise ConfigError(f"data.mask_fraction must be in (0, 1), got {self.mask_fraction}")
+        if self.mask_seed < 0:
+            raise ConfigError(f"data.mask_seed must be >= 0, got {self.mask_seed}")
+
+    @property
+    def pairs(self) -> bool:
+        return self.format == "prompt_response"
+
+    @property
+    def mlm(self) -> bool:
+        return self.objective == "mlm"
+
+
+MLM_ARCHS = ("bert",)  # bidirectional encoders: a position sees its own token
+
+
+def resolve_objective(data: DataConfig, arch: str) -> None:
+    """Set data.objective by model.arch when null (bert: mlm, else causal); an objective the
+    architecture cannot train is a ConfigError."""
+    by_arch = "mlm" if arch in MLM_ARCHS else "causal"
+    if data.objective is None:
+        data.objective = by_arch
+    elif data.objective != by_arch:
+        why = (
+            "a bidirectional encoder sees every token, so next-token prediction is trivial"
+            if arch in MLM_ARCHS
+            else "a causal model sees only the tokens before a position, not a masked one's context"
+        )
+        raise ConfigError(
+            f"data.objective={data.objective} does not fit model.arch={arch} ({why}); use "
+            f"data.objective={by_arch} or null (= by model.arch)"
+        )
+    if data.mlm and data.pairs:
+        raise ConfigError(
+            f"data.format=prompt_response trains a causal LM, but data.objective is mlm "
+            f"(model.arch={arch}); masked-LM data is documents: set data.format=text"
+        )
+
+
+@functools.cache
+def _fields(template: str) -> tuple[str, ...]:
+    return tuple(template_fields(template))
+
+
+def template_fields(template: str) -> list[str]:
+    """Column names a prompt_template refers to (`{name}`), in order of appearance."""
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ConfigError(
+            f"data.prompt_template is not a valid template ({e}); write columns as {{name}} and "
+            "literal braces as {{{{ and }}}}"
+        ) from None
+    bad = [n for n in names if not n or n.isdigit() or any(c in n for c in ".[]")]
+    if bad or not names:
+        raise ConfigError(
+            f"data.prompt_template must name columns as {{column}} (found {bad or 'none'}); e.g. "
+            "'{instruction}\\n{input}\\n### Response:\\n'"
+        )
+    return list(dict.fromkeys(names))
+
+
+def check_store_objective(data: DataConfig, store) -> None:
+    """A token store made for another objective than data.objective (e.g. next-token rows for a
+    bert model) is a ConfigError: its labels would train or score the wrong thing."""
+    if store.objective != data.objective:
+        raise ConfigError(
+            f"the token store {store.path} holds {store.objective} rows, but data.objective is "
+            f"{data.objective}; rerun `preinfer tokenize --force` with this config"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,6 +159,15 @@ class Document:
     doc_id: str
     """Stable name of the document (relative path or row index)."""
     text: str
+    """The document, or a pair's prompt."""
+    response: str | None = None
+    """A pair's response (format prompt_response); None for a document."""
+
+    def key(self) -> bytes:
+        """The content that identifies it (hashed for the fingerprint and the split)."""
+        if self.response is None:
+            return self.text.encode()
+        return self.text.encode() + b"\0" + self.response.encode()
 
 
 def builtin_corpus_root() -> Path:
@@ -119,29 +219,118 @@ def _local_files(paths: list[str]) -> list[Path]:
     return files
 
 
-def _iter_datasets(ds, text_field: str, label: str) -> Iterator[Document]:
-    if text_field not in ds.column_names:
-        raise CorpusError(
-            f"data.text_field: column {text_field!r} not in {label} (columns: {', '.join(ds.column_names)})"
-        )
-    for i, row in enumerate(ds):
-        text = row[text_field]
-        if isinstance(text, str) and text.strip():
-            yield Document(f"{label}#{i}", text)
+def _columns(cfg: DataConfig, text_field: str) -> dict[str, str]:
+    """{column: the config key naming it} of the columns a row must have."""
+    if not cfg.pairs:
+        return {text_field: "data.text_field"}
+    if cfg.prompt_template is None:
+        cols = {cfg.prompt_field: "data.prompt_field"}
+    else:
+        cols = dict.fromkeys(template_fields(cfg.prompt_template), "data.prompt_template")
+    return {**cols, cfg.response_field: "data.response_field"}
 
 
-def _iter_local(paths: list[str], text_field: str) -> Iterator[Document]:
-    import datasets
+def _missing(need: dict[str, str], have, label: str) -> CorpusError | None:
+    for col, key in need.items():
+        if col not in have:
+            return CorpusError(
+                f"{key}: column {col!r} not in {label} (columns: {', '.join(sorted(have))})"
+            )
+    return None
 
+
+def _doc(row: dict, i: int, cfg: DataConfig, field: str, label: str) -> Document | None:
+    """The document (or pair) of one row; None for a row without usable text. A column a row
+    lacks reads as null. field: the text column (format text)."""
+    if not cfg.pairs:
+        text = row.get(field)
+        return Document(f"{label}#{i}", text) if isinstance(text, str) and text.strip() else None
+    response = row.get(cfg.response_field)
+    if cfg.prompt_template is None:
+        prompt = row.get(cfg.prompt_field)
+    else:
+        values = {c: "" if row.get(c) is None else row[c] for c in _fields(cfg.prompt_template)}
+        prompt = cfg.prompt_template.format(**values)
+    if isinstance(prompt, str) and isinstance(response, str) and (prompt + response).strip():
+        return Document(f"{label}#{i}", prompt, response)
+    return None
+
+
+def _iter_rows(
+    rows: Iterable[dict], cfg: DataConfig, label: str, *, columns=None, text_field=None
+) -> Iterator[Document]:
+    """Documents of `rows` (dicts). columns: the column names when known up front (checked
+    first); else a column no row holds is an error at the end (nothing of it was yielded)."""
+    text_field = text_field or cfg.text_field
+    need = _columns(cfg, text_field)
+    if columns is not None and (err := _missing(need, set(columns), label)):
+        raise err
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise CorpusError(f"data.source: row {i} of {label} is not an object: {row!r:.80}")
+        if columns is None:
+            seen.update(row)
+        doc = _doc(row, i, cfg, text_field, label)
+        if doc is not None:
+            yield doc
+    if columns is None and (err := _missing(need, seen, label)):
+        raise err
+
+
+def _json_rows(f: Path) -> Iterator[dict]:
+    """Rows of JSON lines, one at a time (or of one JSON array, read whole)."""
+    with open(f, encoding="utf-8") as fh:
+        head = fh.read(64).lstrip()
+        fh.seek(0)
+        if head.startswith("["):
+            yield from json.load(fh)
+            return
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError as e:
+                    raise CorpusError(f"data.source: {f} line {n} is not JSON: {e}") from None
+
+
+def _parquet_rows(f: Path, columns: list[str]) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(f)
+    for batch in pf.iter_batches(batch_size=1024, columns=columns):
+        yield from batch.to_pylist()
+
+
+def _iter_local(paths: list[str], cfg: DataConfig) -> Iterator[Document]:
+    """Local files, streamed (a text file is one document; jsonl/parquet rows are read a line
+    or a batch at a time)."""
     for f in _local_files(paths):
         kind = _FORMATS[f.suffix]
-        kwargs = {"sample_by": "document"} if kind == "text" else {}
+        label = f.name
         try:
-            ds = datasets.load_dataset(kind, data_files=str(f), split="train", **kwargs)
-        except Exception as e:  # datasets raises many types for unreadable files
+            if kind == "text":
+                if cfg.pairs:
+                    raise CorpusError(
+                        f"data.source: {f} is a text file, but data.format=prompt_response "
+                        "reads rows with prompt and response columns; give .jsonl/.parquet "
+                        "files or an hf: dataset"
+                    )
+                with open(f, encoding="utf-8") as fh:  # as `datasets`' text loader reads it
+                    rows = [{"text": fh.read()}]
+                yield from _iter_rows(rows, cfg, label, columns=["text"], text_field="text")
+            elif kind == "json":
+                yield from _iter_rows(_json_rows(f), cfg, label)
+            else:
+                import pyarrow.parquet as pq
+
+                names = pq.read_schema(f).names
+                need = [c for c in _columns(cfg, cfg.text_field) if c in names]
+                yield from _iter_rows(_parquet_rows(f, need), cfg, label, columns=names)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            if isinstance(e, CorpusError):
+                raise
             raise CorpusError(f"data.source: cannot read {f} as {kind}: {e}") from None
-        field = "text" if kind == "text" else text_field
-        yield from _iter_datasets(ds, field, f.name)
 
 
 HF_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -160,29 +349,34 @@ def force_hf_offline() -> None:
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
 
 
-def _iter_hf(spec: str, text_field: str, split: str) -> Iterator[Document]:
+def _iter_hf(spec: str, cfg: DataConfig) -> Iterator[Document]:
     force_hf_offline()  # before the import: datasets reads the environment once, when imported
     import datasets
 
     name, _, conf = spec.partition(":")
     try:
-        ds = datasets.load_dataset(name, conf or None, split=split)
+        ds = datasets.load_dataset(name, conf or None, split=cfg.hf_split)
     except Exception as e:
         raise CorpusError(
             f"data.source: hf:{spec} did not resolve offline ({type(e).__name__}: {e}); "
             "point data.source at local files or a dataset already in the HF cache"
         ) from None
-    yield from _iter_datasets(ds, text_field, f"hf:{name}")
+    yield from _iter_rows(ds, cfg, f"hf:{name}", columns=ds.column_names)
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[Document]:
     """Documents of the configured corpus in a fixed order (truncated to max_documents)."""
     if cfg.source == "builtin":
+        if cfg.pairs:
+            raise CorpusError(
+                "data.source=builtin holds documents, not prompt/response rows; point "
+                "data.source at jsonl/parquet files or an hf: dataset, or set data.format=text"
+            )
         it = _iter_builtin()
     elif cfg.source.startswith("hf:"):
-        it = _iter_hf(cfg.source[3:], cfg.text_field, cfg.hf_split)
+        it = _iter_hf(cfg.source[3:], cfg)
     else:
-        it = _iter_local([s for s in cfg.source.split(",") if s], cfg.text_field)
+        it = _iter_local([s for s in cfg.source.split(",") if s], cfg)
     for n, doc in enumerate(it):
         if cfg.max_documents is not None and n >= cfg.max_documents:
             break
@@ -191,7 +385,7 @@ def iter_documents(cfg: DataConfig) -> Iterator[Document]:
 
 def is_val(doc: Document, cfg: DataConfig) -> bool:
     """Deterministic by content: identical documents always land in the same split."""
-    digest = hashlib.sha256(f"{cfg.split_seed}|".encode() + doc.text.encode()).digest()
+    digest = hashlib.sha256(f"{cfg.split_seed}|".encode() + doc.key()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < cfg.val_fraction
 
 
@@ -201,8 +395,9 @@ def is_val(doc: Document, cfg: DataConfig) -> bool:
 SPECIAL_EOS = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int):
-    """A byte-level BPE with one special token, <|endoftext|>, as EOS."""
+def train_bpe(texts: Iterable[str], vocab_size: int, *, mlm: bool = False):
+    """A byte-level BPE with one special token, <|endoftext|>, as EOS (mlm: also [CLS], which
+    opens every row, and [MASK])."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -210,7 +405,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
+        special_tokens=["<|endoftext|>", *(["[CLS]", "[MASK]"] if mlm else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -247,14 +442,3 @@ def eos_id(tok) -> int:
     raise ConfigError(
         f"tokenizer has none of the end-of-document tokens {', '.join(SPECIAL_EOS)}; add one"
     )
-
-
-def pack(docs_ids: Iterable[list[int]], eos: int, seq_len: int) -> Iterator[np.ndarray]:
-    """Concatenate documents with EOS between them and cut rows of S+1 tokens (tail dropped)."""
-    buf: list[int] = []
-    for ids in docs_ids:
-        buf.extend(ids)
-        buf.append(eos)
-        while len(buf) >= seq_len + 1:
-            yield np.asarray(buf[: seq_len + 1], dtype=np.int32)
-            del buf[: seq_len + 1]

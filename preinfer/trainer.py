@@ -26,6 +26,8 @@ class TrainConfig:
     """bcd: block K from the cache; full: all parameters from tokens; bcd-recompute: prefix rerun every step."""
     rounds: int = 1
     """Passes of the rotation over all M blocks (bcd modes)."""
+    order: Literal["ascending", "descending"] = "ascending"
+    """Blocks per round (bcd modes; full ignores it): 0..M-1, or M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's)."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """Optimizer of the active block."""
     lr: float | None = None
@@ -37,7 +39,9 @@ class TrainConfig:
     betas: list[float] | None = None
     """Adam betas; null = [0.9, 0.999]."""
     warmup_steps: int = 10
-    """Linear warmup steps at the start of each block visit."""
+    """Linear warmup steps at the start of each block visit (train.schedule=run: once, at the start of the rotation)."""
+    schedule: Literal["visit", "run"] = "visit"
+    """LR warmup + cosine scope: visit = within each block visit; run = one over the rotation (rounds x M visits x the visit's steps); full: its own steps either way."""
     min_lr_ratio: float = 0.1
     """Cosine schedule floor as a fraction of the peak lr."""
     max_steps: int = 100
@@ -62,6 +66,8 @@ class TrainConfig:
     """CPUs (and torch threads) per Ray Train CPU worker; null = this node's CPUs / workers."""
     checkpoint_every: int = 50
     """Save a resumable mid-block state every this many steps (0 = off)."""
+    keep_optimizer_state: bool = False
+    """Keep each block's optimizer state (AdamW moments, step) in the checkpoint for its next visit; false = fresh every visit."""
     seed: int = 0
     """Seed of data order and dropout."""
     shuffle_buffer_mb: float = 64.0
@@ -127,7 +133,8 @@ class TrainConfig:
 
 
 class TokenBatches:
-    """Batches of (input_ids (b, S), labels (b, S)) from a token store split."""
+    """Batches of (input_ids (b, S), labels (b, S)) from a token store split; labels[:, t] is
+    position t's target (loss.split_sample: the next token, or an mlm store's unshifted labels)."""
 
     def __init__(
         self,
@@ -161,12 +168,14 @@ class TokenBatches:
             mine = glob[self.rank :: self.world]  # (b/world,) this rank's rows, as drawn
             srt = np.argsort(mine, kind="stable")  # the store reads ascending rows
             rows = np.empty((len(mine), self.store.seq_len + 1), np.int32)
-            rows[srt] = self.store.read_indices(self.split, mine[srt])
-            yield split_sample(rows)
+            labels = np.empty((len(mine), self.store.seq_len), np.int32)  # IGNORE where masked
+            rows[srt], labels[srt] = self.store.read_indices_with_labels(self.split, mine[srt])
+            yield split_sample(rows, labels)
 
 
 class CacheBatches:
-    """Batches of (hidden (b, S, H) fp32, labels (b, S)) from an activation cache split."""
+    """Batches of (hidden (b, S, H) fp32, labels (b, S)) from an activation cache split (the
+    labels the cache build copied from the token store, aligned as TokenBatches')."""
 
     def __init__(
         self,
@@ -236,7 +245,8 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup then cosine decay to min_lr_ratio * peak, over one block visit."""
+    """Linear warmup then cosine decay to min_lr_ratio * peak, over cfg.max_steps steps (one
+    block visit, or with train.schedule=run the rotation: Visit.lr passes the global step)."""
     peak = cfg.resolved_optim()["lr"]
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
@@ -312,13 +322,15 @@ def train_step(
     device,
     precision: str = "auto",
     world: int = 1,
+    lr: float | None = None,
 ) -> float:
     """One optimizer step of the active parameters; returns this rank's loss.
 
-    loss_fn(x, labels) -> mean loss: x the batch's ids (B, S) or hidden (B, S, H), on `device`."""
+    loss_fn(x, labels) -> mean loss: x the batch's ids (B, S) or hidden (B, S, H), on `device`.
+    lr: this step's learning rate; None = lr_at(step, cfg)."""
     x, labels = batch
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg)
+        group["lr"] = lr_at(step, cfg) if lr is None else lr
     optimizer.zero_grad(set_to_none=True)
     with autocast(device, precision):
         loss = loss_fn(x.to(device), labels.to(device))

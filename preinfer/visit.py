@@ -27,15 +27,17 @@ from preinfer.cache_identity import row_order, sample_indices, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast
-from preinfer.loss import mode_loss
+from preinfer.loss import count_targets, mode_loss
 from preinfer.metrics import append_metrics
-from preinfer.partition import trainable_parameters
+from preinfer.optim_state import load_optimizer_tensors, optimizer_tensors
+from preinfer.partition import trainable_named_parameters
 from preinfer.trainer import (
     CacheBatches,
     TokenBatches,
     build_optimizer,
     current_memory_mb,
     endless,
+    lr_at,
     peak_memory_mb,
     reset_peak_memory,
     train_step,
@@ -71,8 +73,35 @@ def state_path(cfg: Config, spec: VisitSpec) -> Path:
 def _save_state(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".partial-{os.getpid()}")
-    torch.save(state, tmp)
+    try:
+        with open(tmp, "wb") as f:
+            try:
+                torch.save(state, f)
+            except RuntimeError as e:  # torch wraps the file's OSError (a full disk: ENOSPC)
+                if not isinstance(e.__context__, OSError):
+                    raise
+                raise OSError(e.__context__.errno, e.__context__.strerror, str(path)) from e
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    faults.kill_point("visit.state_tmp")
     os.replace(tmp, path)
+    faults.kill_point("visit.state")
+
+
+def _drop_state(path: Path) -> None:
+    """The visit's mid-block state and the temps of saves a kill interrupted."""
+    for p in [path, *path.parent.glob(f"{path.stem}.partial-*")]:
+        p.unlink(missing_ok=True)
+
+
+def finish_committed(cfg: Config, round_: int, block: int, mode: str) -> None:
+    """Tidy up after a visit killed once its commit was made (bcd records it as finished):
+    the checkpoint's old files and temps, the visit's mid-block state."""
+    Checkpoint.open(cfg.run.checkpoint).tidy()
+    _drop_state(state_path(cfg, VisitSpec(block=block, round=round_, mode=mode)))
 
 
 def _load_state(path: Path, start_hash: str) -> dict | None:
@@ -127,13 +156,15 @@ class Visit:
         self.part = self.ckpt.partition
         for p in self.model.parameters():
             p.requires_grad_(False)
-        blocks = range(self.M) if spec.mode == "full" else [K]
-        seen, self.params = set(), []
-        for b in blocks:
-            for p in trainable_parameters(self.model, self.adapter, self.part, b):
+        self.blocks = list(range(self.M)) if spec.mode == "full" else [K]
+        # block -> (name, param) it trains; the optimizer's state is kept per block
+        seen, self.params, self.named = set(), [], {}
+        for b in self.blocks:
+            for n, p in trainable_named_parameters(self.model, self.adapter, self.part, b):
                 if id(p) not in seen:
                     seen.add(id(p))
                     self.params.append(p)
+                    self.named.setdefault(b, []).append((n, p))
         for p in self.params:
             p.requires_grad_(True)
         self.model.train(cfg.model.dropout > 0)
@@ -143,7 +174,18 @@ class Visit:
         self.budget = store_budget(cfg, self.store)
         steps = cfg.train.max_steps if spec.mode == "full" else self.budget.steps
         self.tc = dataclasses.replace(cfg.train, max_steps=steps)  # the schedule spans the visit
+        # train.schedule=run (bcd modes): this visit's steps are positions [v*steps, (v+1)*steps)
+        # of one schedule over the rotation's rounds x M visits, v its index in the rotation
+        self.sched, self.lr_offset = self.tc, 0
+        if cfg.train.schedule == "run" and spec.mode != "full":
+            pos = K if cfg.train.order == "ascending" else self.M - 1 - K
+            self.lr_offset = (spec.round * self.M + pos) * steps
+            self.sched = dataclasses.replace(self.tc, max_steps=cfg.train.rounds * self.M * steps)
         self._data()
+
+    def lr(self, step: int) -> float:
+        """The learning rate of this visit's step `step` (0-based)."""
+        return lr_at(self.lr_offset + step, self.sched)
 
     # x: (B, S) ids or (B, S, H) hidden entering block K; labels (B, S)  ->  mean loss
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -161,11 +203,13 @@ class Visit:
             shuffle=spec.shuffle,
         )
         if self.from_cache:
-            root = cfg.cache.root
+            root, lease_s = cfg.cache.root, cfg.cache.lease_s  # leased while open: gc spares them
             self.train_cache = open_cache(
-                root, spec.cache_train, expected_fingerprint=spec.cache_train
+                root, spec.cache_train, expected_fingerprint=spec.cache_train, lease_s=lease_s
             )
-            self.val_cache = open_cache(root, spec.cache_val, expected_fingerprint=spec.cache_val)
+            self.val_cache = open_cache(
+                root, spec.cache_val, expected_fingerprint=spec.cache_val, lease_s=lease_s
+            )
             self.batches = CacheBatches(
                 self.train_cache, buffer_mb=cfg.train.shuffle_buffer_mb, **kw
             )
@@ -209,8 +253,9 @@ class Visit:
                 break
             with autocast(self.device, self.cfg.run.precision):
                 loss = self.loss(x.to(self.device), labels.to(self.device))
-            total += loss.item() * labels.numel()
-            count += labels.numel()
+            k = count_targets(labels)  # the loss is a mean over these (masked labels do not count)
+            total += loss.item() * k if k else 0.0
+            count += k
         self.model.train(was)
         return total / max(count, 1)
 
@@ -227,8 +272,9 @@ class Visit:
         cfg, tc, spec = self.cfg, self.tc, self.spec
         start_hash = self.ckpt.prefix_hash(self.M)
         spath = state_path(cfg, spec)
-        opt = build_optimizer(self.params, tc)
+        opt = self.optimizer()
         step, best, bad, val = 0, float("inf"), 0, None
+        loss = float("nan")
         state = _load_state(spath, start_hash)
         if state is not None:
             with torch.no_grad():
@@ -236,12 +282,12 @@ class Visit:
                     p.copy_(t)
             opt.load_state_dict(state["optim"])
             step, best, bad = state["step"], state["best"], state["bad"]
+            loss = state.get("loss", loss)  # the summary's, when resumed at the last step
             if self.rank == 0:
                 log(f"  resumed {spec.mode} block {self.K} round {spec.round} at step {step}")
         kill_at = faults.kill_step(spec.round, self.K)
         data = endless(self.batches, step)
         t0, tokens, stopped = time.perf_counter(), 0, "max_steps"
-        loss = float("nan")
         while step < tc.max_steps:
             if step == kill_at:
                 os._exit(137)  # test-only: a trainer killed mid-block
@@ -257,6 +303,7 @@ class Visit:
                     device=self.device,
                     precision=cfg.run.precision,
                     world=self.world,
+                    lr=self.lr(step),
                 )
             )
             tokens += batch[1].numel() * self.world
@@ -270,6 +317,7 @@ class Visit:
                 "block": self.K,
                 "step": step,
                 "loss": loss,
+                "lr": opt.param_groups[0]["lr"],  # the step's, as the optimizer used it
                 "tokens": tokens,  # trained in this visit so far (all ranks)
                 "tokens_per_s": tokens / (time.perf_counter() - t0),
                 "peak_mem_mb": peak_memory_mb(self.device),
@@ -297,6 +345,7 @@ class Visit:
                         "step": step,
                         "best": best,
                         "bad": bad,
+                        "loss": loss,
                         "params": [p.detach().clone() for p in self.params],
                         "optim": opt.state_dict(),
                     },
@@ -325,9 +374,13 @@ class Visit:
         if bad_params:
             self._diverged(spath, step, f"{bad_params} trainable tensor(s) hold NaN/inf values")
         if self.rank == 0:
-            self.commit()
+            # summary first: a kill after the commit leaves bcd's pending branch this visit's
+            # summary to record (a rerun of an uncommitted visit appends a newer one)
             append_metrics(cfg, summary)
-            spath.unlink(missing_ok=True)
+            self.commit(opt)
+            faults.kill_point("visit.committed")
+            _drop_state(spath)
+            faults.kill_point("visit.done")
         return summary
 
     def _non_finite_params(self) -> int:
@@ -352,7 +405,23 @@ class Visit:
             "the same command"
         )
 
-    def commit(self) -> None:
-        blocks = range(self.M) if self.spec.mode == "full" else [self.K]
-        for b in blocks:
-            self.ckpt.commit_block(b, self.ckpt.block_state(self.model, self.adapter, b))
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The visit's optimizer: fresh, or (train.keep_optimizer_state) holding the state each
+        block's last visit left in the checkpoint (fresh for a block that has none yet)."""
+        opt = build_optimizer(self.params, self.tc)
+        if self.tc.keep_optimizer_state:
+            for b, named in self.named.items():
+                saved = self.ckpt.optimizer_state(b)
+                if saved is not None:
+                    load_optimizer_tensors(opt, named, saved[1], saved_by=saved[0],
+                                           optimizer=self.tc.optimizer, what=f"block {b}")  # fmt: skip
+        return opt
+
+    def commit(self, opt: torch.optim.Optimizer) -> None:
+        """The trained blocks (one, or all M in full mode), with train.keep_optimizer_state
+        their optimizer states, in ONE checkpoint commit."""
+        states = {b: self.ckpt.block_state(self.model, self.adapter, b) for b in self.blocks}
+        optim = None
+        if self.tc.keep_optimizer_state:
+            optim = {b: optimizer_tensors(opt, self.named.get(b, [])) for b in self.blocks}
+        self.ckpt.commit_blocks(states, optim=optim, optimizer=self.tc.optimizer)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -35,6 +36,16 @@ PARTIAL_SUFFIX = ".partial"
 # A temp file whose writer we cannot see (another host) is stale after this long.
 STALE_AFTER_S = 3600.0
 _HOST = socket.gethostname().replace(".", "_") or "host"
+
+
+def as_os_error(e: BaseException, path: str | Path) -> OSError | None:
+    """The OSError inside an I/O error from a Rust library (safetensors, tokenizers), which
+    raise plain exceptions ending in `(os error N)`: a full disk stays an ENOSPC for callers."""
+    m = re.search(r"os error (\d+)", str(e))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def partial_path(path: str | Path) -> Path:

@@ -8,6 +8,7 @@
       build.json          the caller's meta at creation (informational, for `cache ls`)
       done/<i:05d>.json   marker of committed shard i: rows, xxh3_128 + bytes of its files, stats
       manifest.json       written LAST, after every marker: its presence means complete
+      leases/             while a reader has the cache open: its lease (storage/lease.py)
 
 A writer task owns whole shards. A shard is encoded in memory with exactly the array's Zarr
 metadata (so its bytes are what Zarr itself would store, and Zarr never reads an old shard
@@ -35,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from core import faults
 from core.fingerprint import CACHE_FORMAT_VERSION
 from storage import atomic, codecs, fs
 from storage.atomic import checksum_entry, checksum_file, dir_bytes, entry_matches, human
@@ -327,8 +329,10 @@ class CacheWriter:
             rel: atomic.digest_entry(digests[rel], sum(memoryview(b).nbytes for b in p))
             for rel, p in parts.items()
         }
+        faults.kill_point("cache.shard_tmp")
         for rel, tmp in tmps:
             atomic.commit(tmp, self.dir / rel)
+            faults.kill_point("cache.shard_file")
         marker = {"shard": i, "start": start, "stop": stop, "files": files, "stats": stats}
         atomic.write_json(self.marker_path(i), marker, fsync=FSYNC_MARKERS)
         self._good[i] = marker

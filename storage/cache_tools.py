@@ -8,9 +8,10 @@ object-store URL (s3://bucket/prefix): caches are then key prefixes under it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from storage import atomic, fs
+from storage import atomic, fs, lease
 from storage.atomic import dir_bytes
 from storage.layout import (
     BUILD,
@@ -20,7 +21,6 @@ from storage.layout import (
     CacheError,
     CacheIncomplete,
     read_json,
-    remove_cache,
 )
 from storage.manifest import validate_manifest
 from storage.reader import open_cache
@@ -107,28 +107,49 @@ def verify_cache(root: str | Path, fingerprint: str) -> list[tuple[int, str]]:
 
 
 def gc_caches(
-    root: str | Path, keep: set[str], dry_run: bool = True, *, grace_s: float = GC_GRACE_S
+    root: str | Path,
+    keep: set[str],
+    dry_run: bool = True,
+    *,
+    grace_s: float = GC_GRACE_S,
+    log: Callable[[str], None] | None = None,
 ) -> list[tuple[str, str, int]]:
     """Remove incomplete caches and complete ones not in `keep`; [(fp, reason, bytes)].
 
-    Never removes a fingerprint in `keep`. An incomplete cache modified within `grace_s`
-    seconds is left alone (a build may be writing it). Stale `*.partial` temp files are
-    removed everywhere, kept caches included. dry_run=True only reports.
+    Never removes a fingerprint in `keep`, nor a cache with a live lease (a process reading
+    it: storage/lease.py; `log` is told which). An incomplete cache modified within `grace_s`
+    seconds is left alone (a build may be writing it). Stale `*.partial` temp files and stale
+    leases (expired, or of a dead process on this host) are removed everywhere, kept caches
+    included. dry_run=True only reports.
     """
     out = []
     now = time.time()
+    say = log or (lambda _msg: None)
     for d in _cache_dirs(root):
         fp = d.name
         complete = (d / MANIFEST).exists()
-        if fp in keep or (not complete and now - _newest_mtime(d) < grace_s):
+        live, stale = lease.holders(d)
+        readers = [r for r in live if r.get("kind") == lease.READ]
+        if readers and fp not in keep:
+            say(f"kept {fp}: in use ({lease.describe(readers)})")
+        if fp in keep or readers or (not complete and now - _newest_mtime(d) < grace_s):
             parts = atomic.clean_partials(d, dry_run=dry_run)
             if parts:
                 out.append((fp, f"{len(parts)} stale .partial file(s)", sum(b for _, b in parts)))
+            if stale:
+                n = lease.reclaim(stale, dry_run=dry_run)
+                out.append((fp, f"{n} stale lease(s): {stale[0][1]}", 0))
             continue
         reason = "not in keep set" if complete else "incomplete (no manifest)"
+        if stale:
+            reason += f"; {len(stale)} stale lease(s) reclaimed: {stale[0][1]}"
         size = dir_bytes(d)
         if not dry_run:
-            remove_cache(root, fp)  # manifest first: never complete with shards missing
+            # a reader may have come since: the remover's claim settles it (lease.py)
+            readers = lease.remove_unless_used(root, fp)
+            if readers:
+                say(f"kept {fp}: in use ({lease.describe(readers)})")
+                continue
         out.append((fp, reason, size))
     return out
 

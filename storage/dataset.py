@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from core import faults
 from storage.layout import CacheError
 from storage.values import decode, stored_dtype
 
@@ -161,6 +162,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 rows = slice(s, s + len(idx))
                 v, lbl = buf[0][rows].copy(), labels[rows].clone()
                 sc = buf[1][rows].copy() if buf[1] is not None else None
+            faults.read_gate()
             yield decode(v, sc, self.cache.dtype, self.dtype), lbl
         rest = order[full:held]
         if len(rest):

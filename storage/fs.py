@@ -22,6 +22,7 @@ or missing credentials fail with one clear StorageError before anything is writt
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import shutil
@@ -56,6 +57,11 @@ def configure(cfg: StorageConfig | None) -> None:
 
 def options() -> StorageConfig:
     return _cfg
+
+
+def _options_key() -> tuple:
+    """Every option, credentials included (the repr leaves them out)."""
+    return dataclasses.astuple(_cfg)
 
 
 def is_url(p: Any) -> bool:
@@ -123,7 +129,7 @@ _fs_memo: dict[tuple, Any] = {}
 
 def filesystem(scheme: str):
     """The fsspec filesystem of `scheme` with this process's options (one per process)."""
-    memo = (scheme, os.getpid(), repr(_cfg))
+    memo = (scheme, os.getpid(), _options_key())
     if memo not in _fs_memo:
         _fs_memo[memo] = _make_filesystem(scheme)
     return _fs_memo[memo]
@@ -160,7 +166,7 @@ def check(url: str | RemotePath, what: str = "storage") -> None:
     url = str(url)
     scheme, rest = _split(url)
     bucket = rest.split("/", 1)[0]
-    key = (scheme, bucket, repr(_cfg))
+    key = (scheme, bucket, _options_key())
     if key in _checked:
         return
     fs = filesystem(scheme)

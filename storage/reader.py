@@ -8,6 +8,10 @@ the bytes it decodes against the manifest, so a flipped bit is a CacheCorrupt na
 never a silently wrong activation. A shard file is read once, straight into a fresh buffer;
 with codec none the returned values are a view of that buffer (no decode copy).
 Leftover `*.partial` temp files are never opened (readers address files by their key).
+
+An open Cache holds a lease on its directory (storage/lease.py), renewed while it is alive and
+released by `close()` (or when it is collected, or the process exits): `cache gc` and the
+rotation's drop of old caches never delete a cache a live process reads.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 
 from core.fingerprint import CACHE_FORMAT_VERSION
-from storage import fs
+from storage import fs, lease
 from storage.atomic import entry_algo, file_matches, hasher, read_array, read_into
 from storage.layout import (
     DONE,
@@ -68,6 +72,7 @@ def open_cache(
     expected_meta: dict | None = None,
     verify: bool = False,
     check_reads: bool = True,
+    lease_s: float | None = lease.DEFAULT_LEASE_S,
 ) -> Cache:
     """Open `<root>/<fingerprint>` (or `root` itself when fingerprint is None) for reading.
 
@@ -76,12 +81,28 @@ def open_cache(
     expected cache's manifest exists under root), CacheCorrupt (checksums; all shards are
     hashed when verify=True, otherwise each shard when read; check_reads=False skips the
     per-read checksum (size checks only) once a cache has been verified).
+
+    lease_s (cache.lease_s): the Cache holds a lease of that length on the cache, renewed
+    while it is open, which gc respects; None: no lease. A cache that cannot be written (a
+    read-only directory, a public bucket) is read without one, with a warning.
     """
     fs.check(root, "cache root")  # a URL: clear error for a bad endpoint / bucket
     cdir = fs.path(root) if fingerprint is None else fs.path(root) / fingerprint
-    fp = cdir.name
     if not cdir.is_dir():
         raise CacheIncomplete(f"no cache at {cdir}; build it first (preinfer cache build)")
+    held = lease.read_lease(cdir, lease_s)  # before the manifest is read: storage/lease.py
+    try:
+        cache = _open(cdir, expected_fingerprint, expected_meta, verify, check_reads)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    cache._hold(held)
+    return cache
+
+
+def _open(cdir, expected_fingerprint, expected_meta, verify: bool, check_reads: bool) -> Cache:
+    fp = cdir.name
     mp = cdir / MANIFEST
     if not mp.exists():
         done = len(list((cdir / DONE).glob("*.json"))) if (cdir / DONE).is_dir() else 0
@@ -155,12 +176,30 @@ class Cache:
             for n in (HIDDEN, SCALE)
             if (self.dir / n / "zarr.json").exists()
         }
+        self._lease: lease.Lease | None = None  # storage/lease.py; None: not held here
         self._last: tuple[int, dict[str, np.ndarray]] | None = None  # last partly read shard
         self._last_samples: tuple[int, np.ndarray, np.ndarray] | None = None  # (group, ids, lab)
         self._pq: pq.ParquetFile | None = None
 
     def __getstate__(self):  # picklable for DataLoader workers: no open handles / buffers
-        return {**self.__dict__, "_last": None, "_last_samples": None, "_pq": None}
+        # the lease stays with the process that opened the cache (it renews it)
+        return {**self.__dict__, "_last": None, "_last_samples": None, "_pq": None, "_lease": None}
+
+    def _hold(self, held: lease.Lease | None) -> None:
+        self._lease = held
+        lease.hold(self, held)
+
+    def close(self) -> None:
+        """Release this Cache's lease (gc may delete the cache from then on); idempotent."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self):
         return (

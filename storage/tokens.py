@@ -2,7 +2,18 @@
 
     <dir>/manifest.json            written last; fingerprint, counts, shard checksums, config
     <dir>/tokenizer.json           the tokenizer that produced the ids
-    <dir>/<split>-<i:05d>.parquet  sample_id int64, input_ids list<int32> (S+1 each)
+    <dir>/<split>-<i:05d>.parquet  sample_id int64, input_ids list<int32> (S+1 each),
+                                   and in a store with labels: labels list<int32> (S each)
+
+Labels: labels[t] is the target of input position t (inputs are ids[:S]). A plain store's
+labels are the ids shifted by one (`ids[:, 1:]`, next token); a store written with labels=True
+stores them, IGNORE (-100) where a position does not count: prompt/response data (shifted, the
+prompt masked) or masked-LM data (manifest "objective": "mlm"; NOT shifted: the original id at
+a masked input position).
+
+Every shard is checked against the manifest's size and checksum when it is read (xxh3_128 in
+format 2; format 1 stores, which recorded sha256 only, still open and are checked in sha256), so
+a changed byte is an error naming the shard, never silently different training data.
 
 A store is written into a sibling temp directory and renamed into place, so a directory
 holding a manifest is always complete.
@@ -29,28 +40,41 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from core.fingerprint import file_hash
 from storage import fs
-from storage.atomic import checksum_file
+from storage.atomic import checksum, checksum_entry, entry_algo
 
-TOKENS_FORMAT_VERSION = 1
+# 2: shard entries {"bytes", "checksum": {"algo", "value"}} (1: {"sha256"}); optional labels
+TOKENS_FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 SPLITS = ("train", "val")
+IGNORE = -100  # a label that does not count (what the loss ignores)
+RETOKENIZE = "rerun `preinfer tokenize` (it rewrites a store whose shards fail their checksum)"
 
 
 class TokenStoreError(Exception):
     """The token store is missing, incomplete or different from what was asked for."""
 
 
-def _table(sample_ids: np.ndarray, rows: np.ndarray) -> pa.Table:
+def _fixed(rows: np.ndarray) -> pa.FixedSizeListArray:
     flat = pa.array(rows.reshape(-1).astype(np.int32), type=pa.int32())
-    ids = pa.FixedSizeListArray.from_arrays(flat, rows.shape[1])
-    return pa.table({"sample_id": pa.array(sample_ids, type=pa.int64()), "input_ids": ids})
+    return pa.FixedSizeListArray.from_arrays(flat, rows.shape[1])
+
+
+def _table(sample_ids: np.ndarray, rows: np.ndarray, labels: np.ndarray | None) -> pa.Table:
+    cols = {"sample_id": pa.array(sample_ids, type=pa.int64()), "input_ids": _fixed(rows)}
+    if labels is not None:
+        cols["labels"] = _fixed(labels)
+    return pa.table(cols)
 
 
 class TokenStoreWriter:
-    """Writes one token store aside (`<dir>.partial-<uuid>`), then `commit()` renames it."""
+    """Writes one token store aside (`<dir>.partial-<uuid>`), then `commit()` renames it.
 
-    def __init__(self, out_dir: str | Path, *, seq_len: int, shard_rows: int):
+    Rows arrive in blocks per split (`add`, splits interleaved as they come); a split's rows
+    are cut into shards of `shard_rows` in arrival order, so what is held in memory is at most
+    one shard per split."""
+
+    def __init__(self, out_dir: str | Path, *, seq_len: int, shard_rows: int, labels: bool = False):
         self.out_dir = fs.path(out_dir)
         if fs.is_url(self.out_dir):  # staged locally, PUT object by object at commit
             fs.check(self.out_dir, "token store")
@@ -60,29 +84,73 @@ class TokenStoreWriter:
             self.tmp.mkdir(parents=True)
         self.seq_len = seq_len
         self.shard_rows = shard_rows
+        self.labels = labels
         self.shards: dict[str, list[dict]] = {s: [] for s in SPLITS}
         self.counts = dict.fromkeys(SPLITS, 0)
+        # per split: pending (ids (k, S+1), labels (k, S) or None) blocks, < shard_rows rows
+        self._pending: dict[str, list[tuple[np.ndarray, np.ndarray | None]]] = {
+            s: [] for s in SPLITS
+        }
+        self._held = dict.fromkeys(SPLITS, 0)
+
+    def rows(self, split: str) -> int:
+        """Rows added to `split` so far (written or pending)."""
+        return self.counts[split] + self._held[split]
+
+    def add(self, split: str, ids: np.ndarray, labels: np.ndarray | None = None) -> None:
+        """Append rows: ids (k, S+1) int32, labels (k, S) int32 (only, and always, in a store
+        with labels)."""
+        if ids.ndim != 2 or ids.shape[1] != self.seq_len + 1:
+            raise ValueError(f"rows must be (k, {self.seq_len + 1}), got {ids.shape}")
+        if (labels is not None) != self.labels or (
+            labels is not None and labels.shape != (len(ids), self.seq_len)
+        ):
+            raise ValueError(
+                f"labels must be {'(k, S)' if self.labels else 'None'} in this store, got "
+                f"{None if labels is None else labels.shape}"
+            )
+        if not len(ids):
+            return
+        self._pending[split].append((ids, labels))
+        self._held[split] += len(ids)
+        while self._held[split] >= self.shard_rows:
+            self._flush(split, self.shard_rows)
 
     def write_split(self, split: str, rows: Iterable[np.ndarray]) -> int:
         """Write a split from an iterator of (S+1,) int32 rows; returns the number of samples."""
-        buf: list[np.ndarray] = []
         for row in rows:
-            buf.append(row)
-            if len(buf) == self.shard_rows:
-                self._flush(split, buf)
-                buf = []
-        if buf:
-            self._flush(split, buf)
+            self.add(split, np.asarray(row, dtype=np.int32)[None])
+        self._flush(split, self._held[split])
         return self.counts[split]
 
-    def _flush(self, split: str, buf: list[np.ndarray]) -> None:
-        rows = np.stack(buf)  # (n, S+1) int32
+    def _take(self, split: str, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The first n pending rows of a split, removed from the pending blocks."""
+        ids, labels, got = [], [], 0
+        pending = self._pending[split]
+        while got < n:
+            a, b = pending[0]
+            k = min(n - got, len(a))
+            ids.append(a[:k])
+            labels.append(None if b is None else b[:k])
+            if k == len(a):
+                pending.pop(0)
+            else:
+                pending[0] = (a[k:], None if b is None else b[k:])
+            got += k
+        self._held[split] -= n
+        lab = np.concatenate(labels) if self.labels else None
+        return np.concatenate(ids), lab
+
+    def _flush(self, split: str, n: int) -> None:
+        if n == 0:
+            return
+        rows, labels = self._take(split, n)  # (n, S+1) int32, (n, S) int32 | None
         start = self.counts[split]
         name = f"{split}-{len(self.shards[split]):05d}.parquet"
-        pq.write_table(_table(np.arange(start, start + len(rows)), rows), self.tmp / name)
-        self.shards[split].append(
-            {"file": name, "rows": [start, start + len(rows)], "sha256": file_hash(self.tmp / name)}
-        )
+        table = _table(np.arange(start, start + len(rows)), rows, labels)
+        pq.write_table(table, self.tmp / name)
+        entry = checksum_entry((self.tmp / name).read_bytes())
+        self.shards[split].append({"file": name, "rows": [start, start + len(rows)], **entry})
         self.counts[split] += len(rows)
 
     def add_file(self, src: str | Path, name: str) -> None:
@@ -92,11 +160,15 @@ class TokenStoreWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def commit(self, manifest: dict, *, replace: bool = False) -> TokenStore:
-        """Write the manifest last, then move the store into place (atomically per directory)."""
+        """Write the last shards and the manifest, then move the store into place (atomically
+        per directory)."""
+        for split in SPLITS:
+            self._flush(split, self._held[split])
         manifest = {
             **manifest,
             "format_version": TOKENS_FORMAT_VERSION,
             "seq_len": self.seq_len,
+            "labels": self.labels,
             "counts": self.counts,
             "shards": self.shards,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -150,12 +222,14 @@ class TokenStore:
                 f"no token store at {self.path} (manifest.json missing); run `preinfer tokenize` first"
             )
         self.manifest = json.loads(mpath.read_text())
-        if self.manifest.get("format_version") != TOKENS_FORMAT_VERSION:
+        if self.manifest.get("format_version") not in READABLE_FORMATS:
             raise TokenStoreError(
                 f"{self.path}: token store format {self.manifest.get('format_version')} is not "
-                f"{TOKENS_FORMAT_VERSION}; rerun `preinfer tokenize --force`"
+                f"one this code reads ({', '.join(map(str, READABLE_FORMATS))}); rerun "
+                "`preinfer tokenize --force`"
             )
-        self._cache: tuple[str, int, np.ndarray] | None = None
+        # the last shard read: (split, i, ids (n, S+1) int32, labels (n, S) int32)
+        self._cache: tuple[str, int, np.ndarray, np.ndarray] | None = None
 
     @staticmethod
     def exists(path: str | Path) -> bool:
@@ -168,12 +242,22 @@ class TokenStore:
 
     @property
     def seq_len(self) -> int:
-        """S: a sample holds S+1 ids (inputs are [:S], labels [1:])."""
+        """S: a sample holds S+1 ids (inputs are [:S], labels [1:] unless stored)."""
         return self.manifest["seq_len"]
 
     @property
     def vocab_size(self) -> int:
         return self.manifest["vocab_size"]
+
+    @property
+    def objective(self) -> str:
+        """'causal' (labels: the next token) or 'mlm' (labels: masked positions' own ids)."""
+        return self.manifest.get("objective", "causal")  # stores from before mlm: causal
+
+    @property
+    def has_labels(self) -> bool:
+        """True if the shards store labels (IGNORE where masked), not just the shifted ids."""
+        return bool(self.manifest.get("labels", False))
 
     @property
     def tokenizer_path(self) -> Path:
@@ -187,49 +271,99 @@ class TokenStore:
         if split not in SPLITS:
             raise TokenStoreError(f"split {split!r} is not one of {', '.join(SPLITS)}")
 
-    def _shard(self, split: str, i: int) -> np.ndarray:
-        if self._cache is not None and self._cache[:2] == (split, i):
-            return self._cache[2]
-        info = self.manifest["shards"][split][i]
-        table = pq.read_table(fs.parquet_source(self.path / info["file"]), columns=["input_ids"])
-        col = table.column("input_ids").combine_chunks()
-        rows = col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
-        self._cache = (split, i, rows)
-        return rows
+    def _checked_bytes(self, info: dict) -> bytes | str:
+        """The shard file's bytes if they match the manifest's size and checksum, else why not."""
+        try:
+            data = (self.path / info["file"]).read_bytes()
+        except FileNotFoundError:
+            return "is missing"
+        algo, want = entry_algo(info)
+        if ("bytes" in info and len(data) != info["bytes"]) or checksum(data, algo) != want:
+            return f"does not match its {algo} checksum in manifest.json (bytes changed on disk)"
+        return data
 
-    def read(self, split: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of a split as an (n, S+1) int32 array (shard-contiguous reads)."""
+    def _shard(self, split: str, i: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._cache is not None and self._cache[:2] == (split, i):
+            return self._cache[2:]
+        info = self.manifest["shards"][split][i]
+        data = self._checked_bytes(info)
+        if isinstance(data, str):
+            raise TokenStoreError(
+                f"token store {self.path}: shard {info['file']} ({split} rows "
+                f"{info['rows'][0]}..{info['rows'][1] - 1}) {data}; {RETOKENIZE}"
+            )
+        cols = ["input_ids", "labels"] if self.has_labels else ["input_ids"]
+        table = pq.read_table(pa.BufferReader(data), columns=cols)
+        out = []
+        for name in cols:
+            col = table.column(name).combine_chunks()
+            out.append(col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1))
+        rows = out[0]
+        labels = out[1] if self.has_labels else rows[:, 1:]
+        self._cache = (split, i, rows, labels)
+        return rows, labels
+
+    def _gather(self, split: str, pick, n: int, labels: bool):
+        """ids (n, S+1) [and labels (n, S)] int32 of the rows `pick(a, b)` selects in each
+        shard [a, b): (dest rows, shard rows) index arrays or slices, None to skip the shard."""
+        ids = np.zeros((n, self.seq_len + 1), dtype=np.int32)
+        lab = np.zeros((n, self.seq_len), dtype=np.int32) if labels else None
+        for i, info in enumerate(self.manifest["shards"][split]):
+            sel = pick(*info["rows"])
+            if sel is None:
+                continue
+            rows, shard_labels = self._shard(split, i)
+            ids[sel[0]] = rows[sel[1]]
+            if lab is not None:
+                lab[sel[0]] = shard_labels[sel[1]]
+        return (ids, lab) if labels else ids
+
+    def _range(self, split: str, start: int, stop: int, labels: bool):
         n = self.num_samples(split)
         if not 0 <= start <= stop <= n:
             raise TokenStoreError(f"rows [{start}, {stop}) out of range for {split} ({n} samples)")
-        out = []
-        for i, info in enumerate(self.manifest["shards"][split]):
-            a, b = info["rows"]
+
+        def pick(a, b):
             if b <= start or a >= stop:
-                continue
-            rows = self._shard(split, i)
-            out.append(rows[max(start, a) - a : min(stop, b) - a])
-        if not out:
-            return np.zeros((0, self.seq_len + 1), dtype=np.int32)
-        return np.concatenate(out)
+                return None
+            lo, hi = max(start, a), min(stop, b)
+            return slice(lo - start, hi - start), slice(lo - a, hi - a)
+
+        return self._gather(split, pick, stop - start, labels)
+
+    def _indices(self, split: str, indices: np.ndarray, labels: bool):
+        self._check_split(split)
+        indices = np.asarray(indices)
+
+        def pick(a, b):
+            sel = (indices >= a) & (indices < b)
+            return (sel, indices[sel] - a) if sel.any() else None
+
+        return self._gather(split, pick, len(indices), labels)
+
+    def read(self, split: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a split as an (n, S+1) int32 array (shard-contiguous reads)."""
+        return self._range(split, start, stop, False)
+
+    def read_with_labels(self, split: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, stop) of a split: ids (n, S+1) int32 and labels (n, S) int32."""
+        return self._range(split, start, stop, True)
 
     def read_indices(self, split: str, indices: np.ndarray) -> np.ndarray:
         """Rows at sorted `indices` (used by sampled caches), read shard by shard."""
-        indices = np.asarray(indices)
-        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int32)
-        for i, info in enumerate(self.manifest["shards"][split]):
-            a, b = info["rows"]
-            sel = (indices >= a) & (indices < b)
-            if sel.any():
-                out[sel] = self._shard(split, i)[indices[sel] - a]
-        return out
+        return self._indices(split, indices, False)
+
+    def read_indices_with_labels(
+        self, split: str, indices: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """ids (n, S+1) and labels (n, S) int32 at sorted `indices`, read shard by shard."""
+        return self._indices(split, indices, True)
 
     def verify(self) -> list[str]:
-        """Files whose checksum differs from the manifest."""
-        bad = []
-        for split in SPLITS:
-            for info in self.manifest["shards"][split]:
-                p = self.path / info["file"]
-                if not p.is_file() or checksum_file(p, "sha256")[0] != info["sha256"]:
-                    bad.append(info["file"])
-        return bad
+        """Files whose size or checksum differs from the manifest (or that are missing)."""
+        return [
+            info["file"]
+            for split in SPLITS
+            for info in self.manifest["shards"][split]
+            if isinstance(self._checked_bytes(info), str)
+        ]

@@ -1,7 +1,11 @@
 """Activation cache writers: resume after a crash, concurrent writers, leftover temp files."""
 
+import contextlib
+import errno
 import multiprocessing as mp
 import os
+import resource
+import signal
 
 import numpy as np
 import pytest
@@ -197,24 +201,36 @@ def test_open_in_worker_reads_ids_and_repairs_complete_cache(tmp_path):
     assert shard.read_bytes() == good and open_cache(tmp_path, "fp", verify=True)
 
 
-def test_failed_background_write_commits_nothing(tmp_path, monkeypatch):
-    w = writer(tmp_path)
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """A real write failure: while inside, this process cannot write past `nbytes` of any
+    file (RLIMIT_FSIZE; the write fails with EFBIG, as a full disk fails with ENOSPC)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a signal that kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_failed_background_write_commits_nothing(tmp_path, dtype):
+    """The device fails mid-write (the real write, on the I/O thread): the shard's temp files
+    are removed by storage.atomic itself (write_aside's cleanup; for int8 the scale file,
+    written fine, discarded too), nothing is renamed into place, no marker; resume redoes it."""
+    w = writer(tmp_path, dtype=dtype)
     x = hidden()
-    real = atomic.write_aside
-
-    def disk_full(path, data, **kw):
-        if "c/2/" in str(path):
-            tmp = real(path, data, **kw)  # a temp file exists, then the device fails
-            tmp.unlink()
-            raise OSError(28, "No space left on device")
-        return real(path, data, **kw)
-
-    monkeypatch.setattr(atomic, "write_aside", disk_full)
     w.write_shard(1, x[8:16])
-    with pytest.raises(OSError, match="No space"):
+    # shard 1's files: about the sizes shard 2's will have (int8: hidden 1284 B, scale 516 B)
+    sizes = sorted(p.stat().st_size for p in tmp_path.glob("fp/*.zarr/c/1/**/*") if p.is_file())
+    limit = (sizes[0] + sizes[-1]) // 2 if len(sizes) > 1 else sizes[0] // 2  # int8: scale fits
+    with file_size_limit(limit), pytest.raises(OSError) as e:
         w.write_shard(2, x[16:24])
+    assert e.value.errno == errno.EFBIG
     assert not (tmp_path / "fp/hidden.zarr/c/2/0/0").exists()
+    assert not (tmp_path / "fp/scale.zarr/c/2/0").exists()
     assert not (tmp_path / "fp/done/00002.json").exists()
     assert not list(tmp_path.rglob("*.partial"))
-    monkeypatch.setattr(atomic, "write_aside", real)
-    assert writer(tmp_path).missing_shards() == [0, 2, 3, 4]
+    assert writer(tmp_path, dtype=dtype).missing_shards() == [0, 2, 3, 4]

@@ -529,8 +529,11 @@ def test_manifest_records_sampled_stats_and_old_manifests_validate(tmp_path, mon
 
 
 def test_writer_refuses_nan_and_bf16_overflow(tmp_path):
-    w = build(tmp_path, "fp", hidden(torch.bfloat16), cfg("bf16"), finalize=False)
-    x = hidden(torch.bfloat16)[:8].clone()
+    good = hidden(torch.bfloat16)
+    w = build(tmp_path, "fp", good, cfg("bf16"), finalize=False)
+    shard0 = sorted(p for p in tmp_path.glob("fp/hidden.zarr/c/0/**/*") if p.is_file())
+    before = {p: p.read_bytes() for p in [*shard0, tmp_path / "fp/done/00000.json"]}
+    x = good[:8].clone()
     x[3, 2, 1] = float("nan")
     with pytest.raises(CacheError, match=r"shard 0 .*1 of 1024 hidden values are NaN/inf"):
         w.write_shard(0, x)
@@ -539,4 +542,11 @@ def test_writer_refuses_nan_and_bf16_overflow(tmp_path):
     with pytest.raises(CacheError, match="overflow bf16"):
         w.write_shard(0, y)
     assert not list(tmp_path.rglob("*.partial"))  # the aside copies were discarded
-    assert open_cache(tmp_path, "fp", verify=True) if w.finalize() else False
+    # the refused writes changed nothing: shard 0's file and marker are the good ones ...
+    assert {p: p.read_bytes() for p in before} == before
+    # ... so the cache finalizes, verifies, and reads back exactly the good values
+    manifest = w.finalize()
+    assert manifest["stats"]["absmax"] == float(good.float().abs().max())
+    c = open_cache(tmp_path, "fp", verify=True)
+    assert c.verify() == []
+    assert torch.equal(c.read_rows(0, N, dtype=None)[0].view(torch.int16), good.view(torch.int16))

@@ -35,7 +35,7 @@ def sets(run_dir, *extra):
         (["init", "--set", "partition.num_blocks=99"], "num_blocks"),
         (["init", "--set", "partition.num_blocks=0"], "partition.num_blocks must be >= 1"),
         (["eval"], "preinfer tokenize"),
-        (["train", "--block", "0"], "preinfer init"),
+        (["train", "--block", "0"], "preinfer tokenize"),  # the first stage missing
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(capsys, tmp_path, argv, needle):

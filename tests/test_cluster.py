@@ -24,10 +24,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core.faults import SHARD_DELAY_S
+from core.faults import SHARD_DELAY_S, SHARD_LOG
+from pipelines.cache_build import build_cache
 from preinfer.cache_identity import plan_caches
 from storage.reader import open_cache
-from tests.pipeline_fixtures import TINY
+from tests.pipeline_fixtures import TINY, quiet
+from tests.test_kills import assert_same_cache, retried, shard_log
 
 pytestmark = pytest.mark.cluster
 BIN = Path(sys.executable).parent
@@ -59,8 +61,11 @@ class Cluster:
         return t
 
     def _ray_start(self, args: list[str]) -> None:
+        # the job agent's HTTP port is fixed (52365) unless given: any other Ray on this
+        # machine holding it leaves the cluster with "No available agent to submit job"
+        agent = f"--dashboard-agent-listen-port={free_port()}"
         r = subprocess.run(
-            [str(BIN / "ray"), "start", "--disable-usage-stats", *args],
+            [str(BIN / "ray"), "start", "--disable-usage-stats", agent, *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -161,6 +166,18 @@ class Cluster:
                     raise
                 time.sleep(3)
 
+    def submit(self, client, **kw) -> str:
+        """client.submit_job(**kw), retried while the job agent comes up ("No available
+        agent to submit job, please try again later")."""
+        deadline = time.time() + 300
+        while True:
+            try:
+                return client.submit_job(**kw)
+            except RuntimeError as e:
+                if time.time() > deadline or not any(t in str(e) for t in TRANSIENT):
+                    raise
+                time.sleep(3)
+
     def wait_job(self, job_id: str, timeout: float) -> str:
         client, deadline = self.client(), time.time() + timeout
         while time.time() < deadline:
@@ -225,32 +242,48 @@ def _done_markers(root: Path) -> int:
     return len(list(root.glob("*/done/*.json")))
 
 
-def _actor_on(cluster: Cluster, temp: str) -> bool:
-    """True when a pre-inference actor process runs under that node's raylet."""
+def _actors_on(cluster: Cluster, temp: str) -> set[int]:
+    """Pids of the pre-inference actor processes under that node's raylet."""
     try:
         procs = cluster.raylet(temp).children(recursive=True)
     except (ValueError, psutil.Error):
-        return False
-    names = []
+        return set()
+    out = set()
     for p in procs:
         try:
-            names.append(p.name() + " " + " ".join(p.cmdline()))
+            name = p.name() + " " + " ".join(p.cmdline())
         except psutil.Error:
             continue
-    return any("MapWorker" in n or "PrefixWorker" in n for n in names)
+        if "MapWorker" in name or "PrefixWorker" in name:
+            out.add(p.pid)
+    return out
+
+
+def _actor_on(cluster: Cluster, temp: str) -> bool:
+    """True when a pre-inference actor process runs under that node's raylet."""
+    return bool(_actors_on(cluster, temp))
 
 
 def test_worker_node_dies_mid_preinference_and_the_job_still_completes(two_node_cluster, tiny_run):
-    """kill -9 the worker node's raylet while its actor writes shards: Ray restarts the
-    actor on the head node (preinfer.max_restarts) and retries its shard there
-    (preinfer.max_task_retries); the shard write is idempotent, so the cache verifies."""
+    """kill -9 every process of the worker node (its raylet and its actor: the node is gone)
+    while its actor works on a shard: Ray restarts the actor on the head node
+    (preinfer.max_restarts) and retries its shard there (preinfer.max_task_retries); the
+    shard write is idempotent, so the cache verifies and holds a clean (in-process) build's
+    bytes. The shard log (core.faults.SHARD_LOG) shows the retry: a shard the worker node's
+    actor had started was started again by another process. (Killing the raylet alone is
+    not a node loss: its orphaned actor can finish the shard and reply to the driver itself,
+    and then nothing is retried.)"""
     c = two_node_cluster
-    cfg = tiny_run("cache.shard_mb=0.2")  # 100 rows per shard: 22 shards
+    shards = "cache.shard_mb=0.05"  # 25 rows per shard: 11 train + 1 val shards
+    cfg = tiny_run(shards)
     root = Path(cfg.cache.root)
+    log = Path(cfg.run.dir) / "shards.log"
     client = c.client()
-    job_id = client.submit_job(
-        entrypoint=shlex.join(build_entry(cfg.run.dir, 2, "cache.shard_mb=0.2")),
-        runtime_env={"env_vars": {SHARD_DELAY_S: "2"}},  # every shard task sleeps 2 s first
+    job_id = c.submit(
+        client,
+        entrypoint=shlex.join(build_entry(cfg.run.dir, 2, shards)),
+        # every shard task sleeps 2 s first, and says which process ran it
+        runtime_env={"env_vars": {SHARD_DELAY_S: "2", SHARD_LOG: str(log)}},
     )
     # pre-inference has started (a shard is committed) and an actor runs on the worker node
     deadline = time.time() + 420
@@ -262,10 +295,14 @@ def test_worker_node_dies_mid_preinference_and_the_job_still_completes(two_node_
     assert done_at_kill and _actor_on(c, c.worker_temp), (
         f"no actor on the worker node ({done_at_kill} shards done)"
     )
+    on_worker = _actors_on(c, c.worker_temp)
     c.processes()  # remember the worker node's processes: they are orphaned by the kill
-    raylet = c.raylet(c.worker_temp)
-    os.kill(raylet.pid, signal.SIGKILL)
-    raylet.wait(timeout=30)
+    node = c.processes(c.worker_temp)
+    for p in node:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    psutil.wait_procs(node, timeout=30)
 
     status = c.wait_job(job_id, timeout=600)
     logs = client.get_job_logs(job_id)
@@ -274,6 +311,19 @@ def test_worker_node_dies_mid_preinference_and_the_job_still_completes(two_node_
     plans = plan_caches(cfg, 2, create=False)
     total = sum(open_cache(root, p.fingerprint).num_shards for p in plans)
     assert done_at_kill < total, f"the build had finished ({total} shards) before the kill"
+    again = retried(shard_log(log))
+    lost = {k: pids for k, pids in again.items() if set(pids[:-1]) & on_worker}
+    starts = shard_log(log)
+    why = (
+        on_worker,
+        again,
+        [(pid, fp[:6], sh, round(t - killed_at, 1)) for pid, fp, sh, t in starts],
+    )
+    assert lost and all(pids[-1] not in on_worker for pids in lost.values()), why
+    clean = tiny_run(shards, f"cache.root={Path(cfg.run.dir) / 'clean'}")
+    build_cache(clean, 2, log=quiet)  # in this process: no Ray
+    for p in plans:
+        assert_same_cache(clean.cache.root, root, p.fingerprint)
     for p in plans:
         assert p.complete, p.split
         r = subprocess.run(

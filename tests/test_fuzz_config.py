@@ -6,7 +6,6 @@ Never a traceback from deep inside a library, never a write outside the run dire
 import os
 
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -118,16 +117,32 @@ def test_cli_bad_values_exit_2_and_write_nothing(tmp_path_factory, capsys, cmd, 
     err = capsys.readouterr().err
     assert code == 2, err
     assert "error:" in err and "Traceback" not in err
+    # the config is refused, naming a bad key: not some later failure (no token store yet, ...)
+    bad = [o.split("=", 1)[0] for o in over]
+    assert any(k in err for k in bad), (bad, err)
+    assert err.count("\n") == 1  # one line
     assert list(run_dir.iterdir()) == []
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["run: [1, 2", "- a\n- b", "train: 3", "model:\n  arch: rnn", "\x00\x01", "run:\n  dir: ''"],
+    "text, names_file, says",
+    [
+        ("run: [1, 2", True, "is not valid YAML"),
+        ("- a\n- b", True, "must hold a mapping of sections, got list"),
+        ("train: 3", False, "train: expected a mapping of keys, got 3"),
+        ("model:\n  arch: rnn", False, "model.arch: 'rnn' is not allowed; choose one of 'gpt2'"),
+        ("\x00\x01", True, "is not valid YAML: unacceptable character"),
+        ("run:\n  dir: ''", False, "run.dir must not be empty"),
+    ],
 )
-def test_yaml_files(tmp_path, text):
+def test_yaml_files(tmp_path, text, names_file, says):
+    """A bad config file is one ConfigError that says what is wrong: the file when the file
+    itself does not read as a mapping of sections, else the key and what it allows."""
     p = tmp_path / "c.yaml"
     p.write_text(text)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as e:
         load_config(p)
-    assert yaml  # the YAML module stays the only parser of config files
+    msg = str(e.value)
+    assert says in msg
+    assert (f"config file {p}" in msg) == names_file
+    assert "Traceback" not in msg and len(msg) < 2000

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import types
 
 import datasets.config
 import huggingface_hub.constants
@@ -56,5 +57,7 @@ def test_private_ray_instance_sends_no_usage_stats(monkeypatch, address):
     monkeypatch.setattr(
         ray, "init", lambda **kw: seen.append(os.environ["RAY_USAGE_STATS_ENABLED"])
     )
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: types.SimpleNamespace(get_node_id=lambda: "node"))  # fmt: skip
     ensure_ray(log=lambda *a: None)
     assert seen == (["1"] if address else ["0"])

@@ -222,7 +222,7 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
 def _worker_run(cfg, block, first):
     """Every missing shard of boundary `block` written by ONE in-process PrefixWorker call
     per cache (the pipelined path: prefetch + background write), then finalized."""
-    from pipelines.cache_build import PrefixWorker
+    from pipelines.prefix_worker import PrefixWorker
     from preinfer.cache_identity import compute_choice
     from storage.cache import CacheWriter
 

@@ -1,0 +1,115 @@
+"""Visit steps/s under Ray Train against the same visit in this process, on one machine.
+
+    python -m bench.ray_train_steps [--config configs/demo.yaml] [--repeats 3] [--steps 30]
+
+A cluster job (RAY_ADDRESS set) trains even one worker under Ray Train (`train.workers: 1`);
+outside one, the visit runs in the driver's process. Both arms train the same visit (block 0
+from tokens, then the last block from its cache, the demo's model) from the same checkpoint;
+the Ray Train arm joins a Ray instance this process starts (as a job joins its cluster), with
+one worker given every CPU (`train.cpus_per_worker`, default: the node's CPUs / workers).
+Arms alternate, `--repeats` times; the figure is the visit's own tokens/s (its loop, without
+Ray Train's start-up, which is reported apart as the arm's extra wall-clock). Target (#15):
+Ray Train / in process >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness import headline_table, load_average, results_path, write_results
+from pipelines.bcd import ensure_cache, load_state
+from pipelines.init import run_init
+from pipelines.tokenize import run_tokenize
+from pipelines.train import run_train
+from preinfer.config import load_config
+
+
+def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float]:
+    """(visit tokens/s, wall-clock of the whole run_train call)."""
+    if ray_address:
+        os.environ["RAY_ADDRESS"] = ray_address
+    try:
+        t0 = time.perf_counter()
+        summary = run_train(cfg, block, 0, log=_quiet, memory_check=False)
+        return summary["tokens_per_s"], time.perf_counter() - t0
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30, help="steps per visit")
+    ap.add_argument("--quick", action="store_true", help="2 repeats of 10-step visits")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.repeats, a.steps = 2, 10
+    import ray
+
+    work = Path(tempfile.mkdtemp(prefix="ray-train-steps-"))
+    load0 = load_average()
+    try:
+        over = [f"run.dir={work}", f"train.max_steps={a.steps}", "train.eval_every=0",
+                "train.eval_batches=1", "train.checkpoint_every=0", "train.workers=1",
+                "train.epochs=null", "data.max_documents=120", "run.device=cpu"]  # fmt: skip
+        cfg = load_config(a.config, over)
+        run_tokenize(cfg, log=_quiet)
+        ckpt = run_init(cfg, log=_quiet)
+        last = ckpt.num_blocks - 1
+        ensure_cache(cfg, load_state(cfg), last, 0, log=_quiet)  # the last block's input
+        pristine = work / "checkpoint-0"
+        shutil.copytree(cfg.run.checkpoint, pristine)
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)  # fmt: skip
+        address = ray.get_runtime_context().gcs_address
+        rows = {b: {"in process": [], "ray train": [], "wall in": [], "wall ray": []}
+                for b in (0, last)}  # fmt: skip
+        for _ in range(a.repeats):
+            for b in (0, last):
+                # each visit starts from the same weights: the commit is undone after it
+                for arm, addr in (("in process", None), ("ray train", address)):
+                    tps, wall = _visit(cfg, b, addr)
+                    rows[b][arm].append(tps)
+                    rows[b]["wall in" if addr is None else "wall ray"].append(wall)
+                    _reset(cfg, pristine)
+        ray.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res = {"config": a.config, "steps": a.steps, "repeats": a.repeats, "cpus": os.cpu_count(),
+           "load_start": load0, "load_end": load_average(), "blocks": {}}  # fmt: skip
+    table = [("block (input)", "in process tok/s", "Ray Train tok/s", "Ray Train / in process",
+              "start-up + eval + commit extra s (Ray)")]  # fmt: skip
+    for b, r in rows.items():
+        med = {k: statistics.median(v) for k, v in r.items()}
+        ratio = med["ray train"] / med["in process"]
+        res["blocks"][str(b)] = {**r, "ratio": ratio}
+        table.append((f"{b} ({'tokens' if b == 0 else 'cache'})", f"{med['in process']:.0f}",
+                      f"{med['ray train']:.0f}", f"{ratio:.2f}",
+                      f"{med['wall ray'] - med['wall in']:.1f}"))  # fmt: skip
+    res["table"] = headline_table(table)
+    print(res["table"])
+    print(f"(medians of {a.repeats}; load average {load0} at start, {res['load_end']} at end)")
+    out = write_results(results_path("ray_train_steps"), res)
+    ratios = [v["ratio"] for v in res["blocks"].values()]
+    return {"headline": {"ray_train_over_in_process": min(ratios)}, "results": str(out)}
+
+
+def _reset(cfg, pristine: Path) -> None:
+    """Undo the visit's commit (block 0's would make the last block's cache stale)."""
+    shutil.rmtree(cfg.run.checkpoint)
+    shutil.copytree(pristine, cfg.run.checkpoint)
+
+
+def _quiet(*_a, **_k) -> None:
+    return None
+
+
+if __name__ == "__main__":
+    main()

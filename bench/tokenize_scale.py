@@ -1,0 +1,169 @@
+"""Tokenize at scale: tokens/s and peak RSS of `preinfer tokenize` at growing corpus sizes.
+
+    .venv/bin/python -m bench.tokenize_scale [--sizes 1M,50M] [--seq-len 128] [--long-doc 10M]
+
+Goal (#16 item 16): at 50M tokens, tokens/s >= 0.8x and peak RSS <= 1.2x the 1M figures, i.e.
+tokenize is linear in time and holds a shard, not the corpus.
+
+- Corpus: generated, jsonl files of ~--file-tokens tokens each, one document per line of
+  Zipf-drawn synthetic words (document lengths uniform in [0.2, 1.8] x --doc-tokens).
+- Tokenizer: one byte-level BPE (vocab 4096), trained once on a small sample and passed as
+  data.tokenizer, so every size measures the same work: read, hash, split, encode, pack, write.
+- Each size runs `run_tokenize` in a fresh subprocess; peak RSS is the child's VmHWM (also
+  shown: its growth over the RSS after the imports).
+- --long-doc N: the time `pack` takes for one document of N token ids (the old rule deleted
+  from the front of a list: quadratic, ~100 s for 10M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_WORDS = 20_000
+
+
+def _count(text: str) -> int:
+    n = float(text.rstrip("MmKk"))
+    return int(n * {"m": 1e6, "k": 1e3}.get(text[-1].lower(), 1))
+
+
+def _words(rng) -> np.ndarray:
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    lens = rng.integers(2, 10, VOCAB_WORDS)
+    return np.array(["".join(rng.choice(letters, k)) for k in lens])
+
+
+def _doc(rng, words: np.ndarray, n_words: int) -> str:
+    idx = np.minimum(rng.zipf(1.2, n_words), VOCAB_WORDS) - 1
+    return " ".join(words[idx])
+
+
+def write_corpus(root: Path, tokens: int, *, doc_tokens: int, file_tokens: int,
+                 tok_per_word: float, seed: int = 0) -> dict:  # fmt: skip
+    """jsonl files under root holding about `tokens` tokens; returns counts."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    words = _words(np.random.default_rng(1234))
+    done, files, docs = 0, 0, 0
+    while done < tokens:
+        budget, lines = min(file_tokens, tokens - done), []
+        while budget > 0:
+            n = max(1, int(doc_tokens * rng.uniform(0.2, 1.8)))
+            lines.append(json.dumps({"text": _doc(rng, words, max(1, int(n / tok_per_word)))}))
+            budget -= n
+            done += n
+            docs += 1
+        (root / f"part-{files:05d}.jsonl").write_text("\n".join(lines) + "\n")
+        files += 1
+    return {"files": files, "docs": docs}
+
+
+def train_tokenizer(path: Path) -> float:
+    """A BPE trained on a ~200k-token sample, saved to `path`; returns tokens per word."""
+    from preinfer.tokenization import train_bpe
+
+    rng = np.random.default_rng(99)
+    words = _words(np.random.default_rng(1234))
+    sample = [_doc(rng, words, 500) for _ in range(300)]
+    tok = train_bpe(sample, 4096)
+    tok.save(str(path))
+    enc = tok.encode_batch(sample, add_special_tokens=False)
+    return sum(len(e.ids) for e in enc) / (300 * 500)
+
+
+def _rss_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(corpus: str, tokenizer: str, run_dir: str, seq_len: int, shard_rows: int) -> None:
+    from pipelines.tokenize import run_tokenize
+    from preinfer.config import load_config
+
+    cfg = load_config("configs/demo.yaml", [
+        f"run.dir={run_dir}", f"data.source={corpus}", f"data.tokenizer={tokenizer}",
+        "data.max_documents=null", f"data.seq_len={seq_len}", f"data.shard_rows={shard_rows}",
+        "model.vocab_size=4096",
+    ])  # fmt: skip
+    base = _rss_mb("VmRSS")
+    t0 = time.perf_counter()
+    store = run_tokenize(cfg, log=lambda *a: None)
+    dt = time.perf_counter() - t0
+    print(json.dumps({
+        "tokens": store.manifest["tokens_in_documents"], "seconds": dt,
+        "peak_rss_mb": _rss_mb("VmHWM"), "base_rss_mb": base,
+        "samples": sum(store.manifest["counts"].values()),
+    }))  # fmt: skip
+
+
+def long_doc_pack(n: int, seq_len: int) -> float:
+    from preinfer.packing import pack
+
+    ids = np.random.default_rng(0).integers(1, 4096, n).tolist()
+    t0 = time.perf_counter()
+    rows = sum(1 for _ in pack([ids], 0, seq_len))
+    dt = time.perf_counter() - t0
+    assert rows == (n + 1) // (seq_len + 1)
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="1M,50M", help="corpus sizes in tokens, comma separated")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--shard-rows", type=int, default=4096)
+    ap.add_argument("--doc-tokens", type=int, default=2000, help="mean tokens per document")
+    ap.add_argument("--file-tokens", default="1M", help="tokens per jsonl file")
+    ap.add_argument("--long-doc", default="0", help="also time pack() on one document this long")
+    ap.add_argument("--work", default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        corpus, tok, run_dir, s, rows = args.child
+        return child(corpus, tok, run_dir, int(s), int(rows))
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="tokenize_scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tok = work / "tokenizer.json"
+    per_word = train_tokenizer(tok)
+    results = []
+    for size in args.sizes.split(","):
+        corpus = work / f"corpus-{size}"
+        info = write_corpus(corpus, _count(size), doc_tokens=args.doc_tokens,
+                            file_tokens=_count(args.file_tokens), tok_per_word=per_word)  # fmt: skip
+        cmd = [sys.executable, "-m", "bench.tokenize_scale", "--child", str(corpus), str(tok),
+               str(work / f"run-{size}"), str(args.seq_len), str(args.shard_rows)]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        results.append({"size": size, **info, **r, "tok_s": r["tokens"] / r["seconds"]})
+
+    print(f"tokenize scale (S={args.seq_len}, shard_rows={args.shard_rows}, "
+          f"~{args.doc_tokens} tokens/doc, {args.file_tokens} tokens/file)\n")  # fmt: skip
+    print("| corpus | tokens | docs | files | seconds | tokens/s | peak RSS MiB | RSS growth MiB "
+          "| tokens/s vs first | peak RSS vs first |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    first = results[0]
+    for r in results:
+        print(f"| {r['size']} | {r['tokens']:,} | {r['docs']:,} | {r['files']} | "
+              f"{r['seconds']:.1f} | {r['tok_s']:,.0f} | {r['peak_rss_mb']:.0f} | "
+              f"{r['peak_rss_mb'] - r['base_rss_mb']:.0f} | {r['tok_s'] / first['tok_s']:.2f} | "
+              f"{r['peak_rss_mb'] / first['peak_rss_mb']:.2f} |")  # fmt: skip
+    print("\ntarget at 50M: tokens/s >= 0.80x and peak RSS <= 1.20x the 1M figures")
+    if _count(args.long_doc):
+        n = _count(args.long_doc)
+        print(f"\npack() of one {n:,}-token document: {long_doc_pack(n, args.seq_len):.2f} s")
+
+
+if __name__ == "__main__":
+    main()

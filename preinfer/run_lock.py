@@ -1,0 +1,196 @@
+"""One run per run.dir: an advisory lock on `<run.dir>/.lock` that names its holder.
+
+    with run_lock(cfg.run.dir, "bcd", log=log):   # RunDirLocked (a ConfigError) if held
+        ...
+
+Two rotations on one run.dir would roll back each other's state.json and delete the caches the
+other reads. The lock is `fcntl.flock` on `<run.dir>/.lock` (the kernel drops it when its holder
+exits, SIGKILL included) plus a JSON record in that file, {pid, host, command, started, ...}:
+the record is what a refusal names, and what decides where flock cannot:
+
+- held by a live process (flock busy): refused, naming its pid, host and command;
+- a record from another host: never taken over (this host cannot see that process, and flock
+  does not reach across hosts on every shared filesystem); the message says how to clear it;
+- a record from this host whose process is gone (dead pid, a zombie, a pid reused since, or an
+  earlier boot): stale, taken over, and said so;
+- a filesystem without flock (ENOLCK / EOPNOTSUPP): the record alone decides (best effort).
+
+Taken again in the process that holds it (the demo, then the bcd it runs) it is held once and
+released by the outermost exit. A release empties the record; the file itself stays (deleting a
+lock file races with a process that has just opened it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from core.config import ConfigError
+
+LOCK_NAME = ".lock"
+
+_held: dict[str, list] = {}  # resolved lock path -> [fd, depth] for the locks this process holds
+_mutex = threading.Lock()
+
+
+class RunDirLocked(ConfigError):
+    """Another run holds this run.dir (or a record of another host's run is there)."""
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process, from /proc; None
+    where there is no /proc (the pid alone then decides)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": state is field 3, start 22
+    return fields[0], int(fields[19])
+
+
+def _record(command: str) -> dict:
+    pid = os.getpid()
+    stat = _proc_stat(pid)
+    return {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "command": command,
+        "argv": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "pid_start": stat and stat[1],
+        "boot_id": _boot_id(),
+    }
+
+
+def _alive(rec: dict) -> bool:
+    """Whether the process a record of this host names still runs (and is that process)."""
+    pid = rec.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if rec.get("boot_id") and _boot_id() and rec["boot_id"] != _boot_id():
+        return False  # recorded before this machine last booted
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    if stat[0] in "ZX":  # killed, not yet reaped: holds nothing
+        return False
+    return rec.get("pid_start") is None or stat[1] == rec["pid_start"]
+
+
+def _who(rec: dict) -> str:
+    if not rec:
+        return "another process (its record is not written yet)"
+    return (
+        f"pid {rec.get('pid')} on host {rec.get('host')} (`{rec.get('command')}`, "
+        f"since {rec.get('started')})"
+    )
+
+
+def _read(fd: int) -> dict:
+    raw = os.pread(fd, 1 << 16, 0)
+    try:
+        rec = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return {}  # a torn or foreign write: no holder can be named from it
+    return rec if isinstance(rec, dict) else {}
+
+
+def _write(fd: int, rec: dict) -> None:
+    data = json.dumps(rec, indent=2).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+def _acquire(path: Path, run_dir: Path, command: str, log: Callable[[str], None]) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            kernel = True
+        except BlockingIOError:
+            rec = _read(fd)
+            gone = (
+                "; that process is gone, but one it started still holds the lock: end it"
+                if rec and rec.get("host") == socket.gethostname() and not _alive(rec)
+                else ""
+            )
+            raise RunDirLocked(
+                f"run.dir {run_dir} is in use by {_who(rec)}{gone}; one run per run.dir: wait "
+                "for it to finish (or stop it), or give this run another run.dir"
+            ) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            kernel = False  # this filesystem has no flock: the record alone decides
+        rec = _read(fd)
+        if rec and rec.get("host") != socket.gethostname():
+            raise RunDirLocked(
+                f"run.dir {run_dir} is locked by {_who(rec)}, another machine; this host cannot "
+                f"tell whether it still runs, so it is never taken over. If no run is active "
+                f"there, delete {path} and rerun; else wait, or give this run another run.dir"
+            )
+        if rec and rec.get("pid") != os.getpid() and _alive(rec):
+            how = "" if kernel else " (no flock on this filesystem: the record decides)"
+            raise RunDirLocked(
+                f"run.dir {run_dir} is in use by {_who(rec)}{how}; one run per run.dir: wait for "
+                f"it to finish (or stop it), or give this run another run.dir. If that process "
+                f"is no preinfer run, delete {path} and rerun"
+            )
+        if rec and rec.get("pid") != os.getpid():
+            log(f"  run.dir {run_dir}: took over the stale lock of {_who(rec)}, which is gone")
+        _write(fd, _record(command))
+        return fd
+    except BaseException:
+        os.close(fd)  # closing drops a flock this call took
+        raise
+
+
+@contextlib.contextmanager
+def run_lock(
+    run_dir: str | Path, command: str, *, log: Callable[[str], None] = print
+) -> Iterator[Path]:
+    """Hold `<run_dir>/.lock` for the block (created with run_dir if missing); yields its path.
+    Raises RunDirLocked, naming the holder, when another run has it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = (run_dir / LOCK_NAME).resolve()
+    key = str(path)
+    with _mutex:
+        if key in _held:
+            _held[key][1] += 1
+        else:
+            _held[key] = [_acquire(path, run_dir, command, log), 1]
+    try:
+        yield path
+    finally:
+        with _mutex:
+            _held[key][1] -= 1
+            if _held[key][1] == 0:
+                fd = _held.pop(key)[0]
+                try:
+                    os.ftruncate(fd, 0)  # a clean exit leaves no record to judge
+                finally:
+                    os.close(fd)  # and drops the flock

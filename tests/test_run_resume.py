@@ -1,0 +1,129 @@
+"""What a run.dir remembers across runs: the token store a rotation started on, a vocab the
+model can embed, and an interrupted `make demo` that resumes (or refuses other settings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.config import ConfigError
+from pipelines.bcd import run_bcd
+from pipelines.cache_build import build_cache
+from pipelines.cli import main
+from pipelines.demo import run_demo
+from pipelines.tokenize import run_tokenize
+from pipelines.train import run_train
+from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_init import init_checkpoint
+from storage.tokens import TokenStore
+from tests.pipeline_fixtures import TINY, quiet, tiny_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hashes(path) -> list[str]:
+    ckpt = Checkpoint.open(path)
+    return [ckpt.block_hash(b) for b in range(ckpt.num_blocks)]
+
+
+def test_a_token_store_retokenized_under_a_run_is_refused(tiny_run):
+    fast = ("train.max_steps=1", "train.eval_every=0", "train.mode=bcd-recompute")
+    cfg = tiny_run(*fast)
+    run_bcd(cfg, log=quiet)
+    state_file = Path(cfg.run.dir, "state.json")
+    assert json.loads(state_file.read_text())["tokens"]["fingerprint"] == (
+        TokenStore(cfg.data.out_dir).fingerprint
+    )
+    # other corpus between rounds: the ids round 1 would read are not those round 0 trained on
+    other = tiny_run(*fast, "train.rounds=2", "data.max_documents=6")
+    run_tokenize(other, force=True, log=quiet)
+    state, weights = state_file.read_bytes(), hashes(cfg.run.checkpoint)
+    with pytest.raises(ConfigError) as e:
+        run_bcd(other, log=quiet)
+    msg = str(e.value)
+    assert "token store changed under this run" in msg and str(state_file) in msg
+    assert "data.max_documents 8 -> 6" in msg
+    assert "Re-tokenize back" in msg and "fresh run.dir" in msg
+    assert state_file.read_bytes() == state and hashes(cfg.run.checkpoint) == weights
+    # re-tokenized back, the run is accepted again (finished here: nothing left to train)
+    run_tokenize(cfg, force=True, log=quiet)
+    assert len(run_bcd(cfg, log=quiet)["visits"]) == 3 and hashes(cfg.run.checkpoint) == weights
+
+
+def test_a_vocab_larger_than_the_model_is_refused_in_the_driver(tiny_run):
+    """Tokens of 300 ids over a 200-row embedding: refused before any worker starts (Ray Train
+    workers asked for), by bcd, train and cache build alike; nothing is written."""
+    small = tiny_run("model.vocab_size=200")
+    init_checkpoint(small.model, 3, small.run.checkpoint, force=True)
+    cfg = tiny_run("train.workers=2")
+    want = "has 300 tokens but the checkpoint .* embeds 200"
+    with pytest.raises(ConfigError, match=want):
+        run_bcd(cfg, log=quiet)
+    assert not Path(cfg.run.dir, "state.json").exists()
+    with pytest.raises(ConfigError, match=want):
+        run_train(cfg, 0, log=quiet)
+    with pytest.raises(ConfigError, match=want):
+        build_cache(cfg, 1, log=quiet)
+    assert not Path(cfg.cache.root).exists() or not any(Path(cfg.cache.root).iterdir())
+
+
+def test_demo_over_a_checkpoint_of_another_model_names_the_difference(tiny_run, capsys):
+    cfg = tiny_run()
+    other = tiny_run("model.hidden_size=64")
+    init_checkpoint(other.model, 3, other.run.checkpoint, force=True)
+    before = hashes(cfg.run.checkpoint)
+    args = ["demo", "--config", "configs/demo.yaml", "--set", f"run.dir={cfg.run.dir}"]
+    for s in TINY:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "model.hidden_size: 64 there, 32 now" in err and "make clean" in err
+    assert hashes(cfg.run.checkpoint) == before and not Path(cfg.run.dir, "state.json").exists()
+
+
+def _demo_args(run_dir, *extra) -> list[str]:
+    args = ["demo", "--config", "configs/demo.yaml"]
+    for s in [f"run.dir={run_dir}", *TINY, *extra]:
+        args += ["--set", s]
+    return args
+
+
+@pytest.mark.slow
+def test_a_killed_demo_resumes_to_the_weights_of_an_uninterrupted_one(tiny_base, tmp_path, capsys):
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    shutil.copytree(tiny_base, clean)
+    shutil.copytree(tiny_base, killed)
+    res = run_demo(tiny_cfg(clean), log=quiet)
+    assert res["export"]["out"] == str(clean / "export")
+
+    def demo(*extra, env=None):
+        cmd = [sys.executable, "-m", "pipelines.cli", *_demo_args(killed, *extra)]
+        env = {**os.environ, **(env or {})}
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    r = demo(env={"PREINFER_TEST_KILL_AT": "0:1:3"})  # round 0, block 1, before step 3
+    assert r.returncode == 137, r.stderr[-3000:]
+    state = (killed / "state.json").read_bytes()
+    assert json.loads(state)["pending"]["key"] == "r0-b1"
+
+    # other settings in the same run.dir: refused before any work, naming what differs
+    assert main(_demo_args(killed, "train.lr=0.01")) == 2
+    err = capsys.readouterr().err
+    assert "other settings (train.lr: 0.003 there, 0.01 now)" in err
+    assert (killed / "state.json").read_bytes() == state
+
+    r = demo()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming the interrupted demo" in r.stdout and "1 of 3 block visits done" in r.stdout
+    assert "resumed bcd block 1 round 0 at step 2" in r.stdout
+    assert hashes(killed / "checkpoint") == hashes(clean / "checkpoint")
+    assert hashes(clean / "checkpoint") != hashes(tiny_base / "checkpoint")
+    out = killed / "export"
+    assert f"AutoModelForCausalLM.from_pretrained({str(out)!r})" in r.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
