@@ -223,7 +223,7 @@ def run_arm(sc: Scale, work: Path, mode: str, M: int, seed: int, epochs: float, 
         if builds else None,
         "visits": visits, "budget": budget.why, "passes": budget.passes,
         "rows": budget.rows, "val_rows": budget.val_rows,
-        "load_start": load_average(), "checkpoint": str(run / "checkpoint"),
+        "load_start": load_average(), "checkpoint": f"<work>/{run.name}/checkpoint",
         "tokens_per_step": sc.batch_size * sc.seq_len,
     }  # fmt: skip
 
