@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from preinfer.config import load_config
+from storage.cache import CacheWriter
+from storage.config import CacheConfig
 
 TINY = [
     "model.arch=gpt2",
@@ -69,3 +73,17 @@ def tiny_run(tiny_base, tmp_path):
         return tiny_cfg(run, *extra)
 
     return make
+
+
+def write_small_cache(root, fp: str, N: int = 24, S: int = 8, H: int = 16) -> None:
+    """A complete 3-shard bf16 cache <root>/<fp> (root local or s3://) of seeded values."""
+    c = CacheConfig(dtype="bf16", codec="zstd", shuffle="none", shard_mb=8 * S * H * 2 / 2**20)
+    ids = np.zeros((N, S), int)
+    w = CacheWriter.create(
+        root, fp, samples=(np.arange(N), ids, ids), seq_len=S, hidden_size=H, cache_cfg=c,
+        meta={"boundary": 1, "split": "train"},
+    )  # fmt: skip
+    x = torch.randn(N, S, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for i in range(w.num_shards):
+        w.write_shard(i, x[slice(*w.shard_range(i))])
+    w.finalize()

@@ -10,18 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from core.config import ConfigError
 from pipelines.bcd import drop_stale_caches
-from storage.cache import CacheWriter
 from storage.cache_tools import gc_caches, list_caches
-from storage.config import CacheConfig
 from storage.layout import MANIFEST, CacheIncomplete, is_complete, remove_cache
 from storage.reader import open_cache
-from tests.pipeline_fixtures import quiet, tiny_cfg
+from tests.pipeline_fixtures import quiet, tiny_cfg, write_small_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 FP = "ab12cd34ef56"
@@ -30,16 +26,7 @@ N, S, H = 24, 8, 16
 
 def build(root: Path, fp: str = FP) -> Path:
     """A complete 3-shard cache <root>/<fp>."""
-    c = CacheConfig(dtype="bf16", codec="zstd", shuffle="none", shard_mb=8 * S * H * 2 / 2**20)
-    ids = np.zeros((N, S), int)
-    w = CacheWriter.create(
-        root, fp, samples=(np.arange(N), ids, ids), seq_len=S, hidden_size=H, cache_cfg=c,
-        meta={"boundary": 1, "split": "train"},
-    )  # fmt: skip
-    x = torch.randn(N, S, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for i in range(w.num_shards):
-        w.write_shard(i, x[slice(*w.shard_range(i))])
-    w.finalize()
+    write_small_cache(root, fp, N, S, H)
     assert is_complete(root, fp) and open_cache(root, fp).verify() == []
     return root / fp
 

@@ -13,21 +13,18 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 import tests.test_object_storage as object_storage
 from core.config import ConfigError
 from core.faults import READ_GATE
 from pipelines.cache_build import build_cache
 from storage import fs, lease
-from storage.cache import CacheWriter
 from storage.cache_tools import gc_caches
 from storage.config import CacheConfig
 from storage.layout import CacheCorrupt, CacheIncomplete, is_complete, remove_cache
 from storage.reader import open_cache
-from tests.pipeline_fixtures import TINY, quiet
+from tests.pipeline_fixtures import TINY, quiet, write_small_cache
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -37,16 +34,7 @@ s3, s3_run = object_storage.s3, object_storage.s3_run  # the moto server fixture
 
 def build(root, fp: str = "ab12cd34") -> str:
     """A complete 3-shard cache <root>/<fp>."""
-    c = CacheConfig(dtype="bf16", codec="zstd", shuffle="none", shard_mb=8 * S * H * 2 / 2**20)
-    ids = np.zeros((N, S), int)
-    w = CacheWriter.create(
-        root, fp, samples=(np.arange(N), ids, ids), seq_len=S, hidden_size=H, cache_cfg=c,
-        meta={"boundary": 1, "split": "train"},
-    )  # fmt: skip
-    x = torch.randn(N, S, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for i in range(w.num_shards):
-        w.write_shard(i, x[slice(*w.shard_range(i))])
-    w.finalize()
+    write_small_cache(root, fp, N, S, H)
     return fp
 
 
