@@ -107,16 +107,16 @@ def _run_workers(
     rows = shards = 0
     phases = dict.fromkeys(PHASES, 0.0)
     first_start = float("inf")  # wall clock of the first shard any worker began
-    bar = tqdm(total=len(items), desc=f"preinfer block {block}", unit="shard", disable=None)
-    for rec in records:
-        shards += 1
-        rows += int(rec["rows"])
-        for k in PHASES:
-            phases[k] += float(rec[k])
-        first_start = min(first_start, float(rec["started"]))
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{rows * seq_len / (time.perf_counter() - t0):,.0f}")
-    bar.close()
+    # closed on an error too: the error's line (a full disk, say) starts a line of its own
+    with tqdm(total=len(items), desc=f"preinfer block {block}", unit="shard", disable=None) as bar:
+        for rec in records:
+            shards += 1
+            rows += int(rec["rows"])
+            for k in PHASES:
+                phases[k] += float(rec[k])
+            first_start = min(first_start, float(rec["started"]))
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{rows * seq_len / (time.perf_counter() - t0):,.0f}")
     # startup_s: call to the first shard begun (Ray start, planning, actor processes, imports,
     # weight loading); the rotation adds finalize to it as the build's fixed part
     return {"shards": shards, "rows": rows, "seconds": time.perf_counter() - t0,
@@ -243,12 +243,15 @@ def refresh_cache(
 
 
 def _guard_disk(cfg: Config, block: int, round_: int, src: Sources) -> None:
-    """Refuse before anything is written when the boundary's caches cannot fit the free disk,
-    or when the token ids would index past the checkpoint's embedding (in the driver)."""
+    """Refuse before anything is written when what is left of the boundary's caches cannot
+    fit the free disk, or when the token ids would index past the checkpoint's embedding (in
+    the driver). Committed shards are credited: a build resumed after a full disk needs room
+    for the rest only (its manifest alone, once every shard is in)."""
 
     check_vocab(src.ckpt, src.store)
-    if not all(p.complete for p in plan_caches(cfg, block, round_, create=False, src=src)):
-        check_disk_for_cache(cfg, block)
+    plans = plan_caches(cfg, block, round_, create=False, src=src)
+    if not all(p.complete for p in plans):
+        check_disk_for_cache(cfg, block, plans=plans)
 
 
 def _fps(plans: list[CachePlan]) -> str:

@@ -14,6 +14,7 @@ is better given credentials by its nodes: role, AWS_* variables; storage.key/sec
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -137,7 +138,11 @@ def map_over_actors(
     resources) from its own copy. Ray Data's actor pool hands its actors object-store
     references instead, which a restart may find gone (Ray logs an error line for every such
     actor). A call whose actor died for good (restarts spent) goes to another actor; the error
-    is raised once no actor is left. The actors are killed when the calls are done or fail."""
+    is raised once no actor is left. An error a call raised (a full disk in an actor: an
+    OSError naming its file) is raised as itself, as the same code in this process would
+    raise it, not as Ray's wrapper of it (whose OSError has no errno and whose message is a
+    traceback), so callers tell a full disk or a bad input from a bug. The actors are killed
+    when the calls are done or fail."""
     import ray
 
     pool = [ray.remote(cls).options(**options).remote(**kwargs) for _ in range(actors)]
@@ -158,6 +163,11 @@ def map_over_actors(
             i, call = pending.pop(ref)
             try:
                 result = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, Exception):
+                    raise cause from e  # the actor's own error; Ray's (its traceback) chained
+                raise
             except ray.exceptions.ActorDiedError:
                 live.discard(i)
                 if not live:
@@ -174,3 +184,18 @@ def map_over_actors(
     finally:
         for actor in pool:
             ray.kill(actor)
+        _settle(list(pending))
+
+
+def _settle(refs: list) -> None:
+    """Wait (briefly) for the calls still in flight when the pool stops, errors included: an
+    error result dropped unread makes Ray print it later with its traceback ("Unhandled
+    error"), after the one line the CLI prints for the error that stopped the pool."""
+    import ray
+
+    if not refs:
+        return
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+    for ref in ready:
+        with contextlib.suppress(Exception):
+            ray.get(ref)

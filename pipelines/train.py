@@ -2,8 +2,10 @@
 
 train.workers >= 2 (or 1 in a Ray cluster job): a Ray Train `TorchTrainer` with that many
 workers (DDP over gloo on CPU, NCCL on GPU); every rank reads its own part of each global batch
-and the ranks average gradients, so every rank takes the same steps. train.workers = 0, or 1
-on this machine: the same loop in this process, without Ray Train's start-up.
+and the ranks average gradients, so every rank takes the same steps. A rank runs `run_rank`,
+which needs only a torch.distributed process group (tests/test_ddp.py runs 2 without Ray).
+train.workers = 0, or 1 on this machine: the same loop in this process, without Ray Train's
+start-up.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from core.config import ConfigError
 from pipelines.ray_env import (
@@ -61,33 +66,63 @@ def cpus_per_worker(cfg: Config) -> float:
     return max(1, (os.cpu_count() or 1) // max(1, cfg.train.workers))
 
 
+def worker_loop_config(cfg: Config, spec: VisitSpec) -> dict:
+    """What every rank of a data-parallel visit runs from (`run_rank`'s input; Ray Train's
+    train_loop_config): the config as plain data with the storage credentials masked (Ray
+    Train keeps the loop config where it can be read back), the visit, the torch threads."""
+    return {"cfg": worker_payload(cfg), "spec": asdict(spec), "threads": cpus_per_worker(cfg)}
+
+
 def worker_args(cfg: Config, spec: VisitSpec) -> tuple[dict, dict]:
     """(train_loop_config, worker runtime_env) of the Ray Train workers, Ray started: the
-    config as plain data with the storage credentials masked (Ray Train keeps the loop config
-    where it can be read back); they reach the workers in their environment instead."""
-    loop = {"cfg": worker_payload(cfg), "spec": asdict(spec), "threads": cpus_per_worker(cfg)}
+    credentials reach the workers in their environment, not in the loop config."""
     env = runtime_env_vars(credentials_env(cfg))
-    return loop, ({"env_vars": env} if env else {})
+    return worker_loop_config(cfg, spec), ({"env_vars": env} if env else {})
+
+
+def run_rank(
+    config: dict,
+    *,
+    rank: int,
+    world: int,
+    local_rank: int = 0,
+    log=print,
+    hooks: VisitHooks | None = None,
+) -> dict:
+    """One rank of a data-parallel visit (`worker_loop_config`'s data), its process group up
+    when world > 1 (Ray Train's workers, or any torch.distributed launcher): this rank reads
+    its part of each global batch, gradients and losses are averaged over the group, rank 0
+    commits, and no rank returns before that commit is made. Returns the visit's summary (its
+    losses the same on every rank)."""
+    if world > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"rank {rank} of {world}: no torch.distributed process group; initialise one "
+            "(torch.distributed.init_process_group) before run_rank"
+        )
+    cfg = worker_config(config["cfg"])
+    spec = VisitSpec(**config["spec"])
+    device = resolve_device(cfg.run.device)
+    if device.type == "cpu":  # Ray gives a CPU worker one OMP thread; use the share it holds
+        torch.set_num_threads(max(1, int(config["threads"])))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+    summary = Visit(cfg, spec, device=device, rank=rank, world=world, hooks=hooks).run(log=log)
+    if world > 1:  # rank 0's commit is made before any rank returns (and reads the checkpoint)
+        dist.barrier()
+    return summary
 
 
 def _worker_loop(config: dict) -> None:
-    """Ray Train per-worker entry: rebuild from plain data, run the visit, report the summary."""
+    """Ray Train per-worker entry: run this rank of the visit, report the summary."""
     import ray.train
 
-    cfg = worker_config(config["cfg"])
-    spec = VisitSpec(**config["spec"])
     ctx = ray.train.get_context()
-    device = resolve_device(cfg.run.device)
-    if device.type == "cpu":  # Ray gives a CPU worker one OMP thread; use the share it holds
-        import torch
-
-        torch.set_num_threads(max(1, int(config["threads"])))
-    if device.type == "cuda":
-        import torch
-
-        device = torch.device("cuda", ctx.get_local_rank())
-    visit = Visit(cfg, spec, device=device, rank=ctx.get_world_rank(), world=ctx.get_world_size())
-    summary = visit.run(log=print)
+    summary = run_rank(
+        config,
+        rank=ctx.get_world_rank(),
+        world=ctx.get_world_size(),
+        local_rank=ctx.get_local_rank(),
+    )
     ray.train.report({k: v for k, v in summary.items() if isinstance(v, int | float)})
 
 

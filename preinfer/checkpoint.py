@@ -1,7 +1,8 @@
 """The on-disk model checkpoint: one safetensors file per block plus `checkpoint.json`.
 
     <dir>/
-      checkpoint.json                       written LAST (temp file + os.replace): the commit point
+      checkpoint.json                       written LAST (temp file + os.replace): the commit point;
+                                            "tokens": the token store the last commit trained on
       block_000-<hash8>.safetensors         block 0's owned tensors (embed + its layers)
       block_001-<hash8>.safetensors         ...
       optim_000-<hash8>.safetensors         with train.keep_optimizer_state: block 0's optimizer
@@ -26,7 +27,7 @@ block files straight under the prefix and checkpoint.json last (no directory ren
 Here: `Checkpoint`, an opened checkpoint (what its index says, reading and hash-checking blocks
 and optimizer states, committing blocks). The format itself (constants, file names, the index,
 atomic file writes) is in preinfer/checkpoint_format.py, creating a checkpoint
-(`init_checkpoint`) in preinfer/checkpoint_init.py; their public names are re-exported here.
+(`init_checkpoint`) in preinfer/checkpoint_init.py.
 """
 
 from __future__ import annotations
@@ -45,17 +46,16 @@ from core.config import from_dict
 from core.fingerprint import chain, tensors_hash
 from preinfer.adapters import Adapter, get_adapter
 from preinfer.checkpoint_format import (
-    _PLAIN_BLOCK_FILE,
-    _PLAIN_OPTIM_FILE,
-    FORMAT,
-    FORMAT_VERSION,
     INDEX,
     CheckpointError,
     _block_file_name,
+    _check_index,
     _checked_state,
     _cpu_state,
     _files,
+    _new_name,
     _optim_file_name,
+    _record_tokens,
     _stable_hf,
     _sweep,
     _write_block_file,
@@ -97,28 +97,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"{idx} is not valid JSON ({e}); the checkpoint is damaged"
             ) from None
-        if not isinstance(index, dict) or index.get("format") != FORMAT:
-            raise CheckpointError(f"{idx} is not a preinfer checkpoint index")
-        if index.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{idx} has format version {index.get('format_version')!r}; this preinfer reads "
-                f"version {FORMAT_VERSION}; re-create the checkpoint with this version"
-            )
-        blocks = index.get("blocks") if isinstance(index.get("blocks"), list) else [None]
-        names = [b.get("file") if isinstance(b, dict) else b for b in blocks]
-        optim = [b.get("optim") for b in blocks if isinstance(b, dict) and "optim" in b]
-        onames = [  # an entry lacking its hash or optimizer is as damaged as a bad name
-            o.get("file") if isinstance(o, dict) and isinstance(o.get("hash"), str)
-            and isinstance(o.get("optimizer"), str) else repr(o) for o in optim
-        ]  # fmt: skip
-        if not all(isinstance(f, str) and _PLAIN_BLOCK_FILE.fullmatch(f) for f in names) or not all(
-            isinstance(f, str) and _PLAIN_OPTIM_FILE.fullmatch(f) for f in onames
-        ):
-            raise CheckpointError(  # a commit reads and later unlinks the named files
-                f"{idx} names a file that is not a plain block_/optim_*.safetensors file inside "
-                f"the checkpoint ({(names + onames)!r:.160}); the checkpoint is damaged or "
-                "hand-edited"
-            )
+        _check_index(idx, index)
         return cls(p, index)
 
     # ---- what the index says ----
@@ -156,6 +135,12 @@ class Checkpoint:
             "model_config": self.index["model_config"],
             "hf_config": None if hf is None else _stable_hf(hf),
         }
+
+    @property
+    def trained_tokens(self) -> dict | None:
+        """The token store the last commit trained on (a token_record + the committed "blocks");
+        None fresh from init, or committed before the record (or without one)."""
+        return rec if isinstance(rec := self.index.get("tokens"), dict) else None
 
     @property
     def tied(self) -> dict[str, str]:
@@ -355,12 +340,15 @@ class Checkpoint:
         *,
         optim: dict[int, dict[str, torch.Tensor]] | None = None,
         optimizer: str | None = None,
+        tokens: dict | None = None,
     ) -> dict[int, str]:
         """Make `blocks` ({b: tensors}) those blocks' new weights in ONE commit; returns their
         hashes. optim: each block's optimizer state ({'<param>::<key>': tensor}, made by
         `optimizer`) kept beside it; without it a committed block's saved state is dropped
-        (it belonged to the old weights). Every new file is written aside, then checkpoint.json
-        is replaced once (the commit point), then the files it no longer names are deleted."""
+        (it belonged to the old weights). tokens: the token store they were trained on (a
+        token_record; checkpoint_format._record_tokens). Every new file is written aside, then
+        checkpoint.json is replaced once (the commit point), then the files it no longer names
+        are deleted."""
         if not blocks:
             raise CheckpointError("commit_blocks needs at least one block")
         if optim is not None and (set(optim) != set(blocks) or not optimizer):
@@ -389,6 +377,7 @@ class Checkpoint:
                     name = _new_name(_optim_file_name(b, odigest), old)
                     writes.append((name, ostate, odigest))
                 entry["optim"] = {"file": name, "hash": odigest, "optimizer": optimizer}
+        _record_tokens(new, sorted(blocks), tokens)
         hashes = {b: new["blocks"][b]["hash"] for b in blocks}
         if new == self.index:
             return hashes  # the same bytes are committed already
@@ -412,9 +401,3 @@ class Checkpoint:
                 faults.kill_point("checkpoint.unlink")
             _sweep(self.path, _files(new))
         return hashes
-
-
-def _new_name(name: str, old: dict) -> str:
-    if name == old.get("file"):
-        raise CheckpointError(f"hash prefix collision on {name}; cannot commit")
-    return name

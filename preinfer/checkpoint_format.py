@@ -192,6 +192,13 @@ def _checked_state(index: dict, b: int, tensors: dict[str, torch.Tensor]) -> dic
     return state
 
 
+def _new_name(name: str, old: dict) -> str:
+    """A new file's name, which must differ from the one it replaces (`old`: its entry)."""
+    if name == old.get("file"):
+        raise CheckpointError(f"hash prefix collision on {name}; cannot commit")
+    return name
+
+
 def _files(index: dict) -> set[str]:
     """The block and optimizer files an index names."""
     optim = {(blk.get("optim") or {}).get("file") for blk in index["blocks"]}
@@ -199,6 +206,51 @@ def _files(index: dict) -> set[str]:
 
 
 # ---- the index ----
+
+
+def _check_index(idx: Path, index: object) -> None:
+    """Refuse an index (`idx`'s parsed JSON) that is not one this preinfer reads, or that names
+    a file other than a plain block_/optim_*.safetensors inside the checkpoint. Optional keys:
+    a block's "optim" (train.keep_optimizer_state), "tokens" (the token store a commit trained
+    on, top level and per block; checkpoints committed before it have none)."""
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"{idx} is not a preinfer checkpoint index")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{idx} has format version {index.get('format_version')!r}; this preinfer reads "
+            f"version {FORMAT_VERSION}; re-create the checkpoint with this version"
+        )
+    blocks = index.get("blocks") if isinstance(index.get("blocks"), list) else [None]
+    names = [b.get("file") if isinstance(b, dict) else b for b in blocks]
+    optim = [b.get("optim") for b in blocks if isinstance(b, dict) and "optim" in b]
+    onames = [  # an entry lacking its hash or optimizer is as damaged as a bad name
+        o.get("file") if isinstance(o, dict) and isinstance(o.get("hash"), str)
+        and isinstance(o.get("optimizer"), str) else repr(o) for o in optim
+    ]  # fmt: skip
+    if not all(isinstance(f, str) and _PLAIN_BLOCK_FILE.fullmatch(f) for f in names) or not all(
+        isinstance(f, str) and _PLAIN_OPTIM_FILE.fullmatch(f) for f in onames
+    ):
+        raise CheckpointError(  # a commit reads and later unlinks the named files
+            f"{idx} names a file that is not a plain block_/optim_*.safetensors file inside "
+            f"the checkpoint ({(names + onames)!r:.160}); the checkpoint is damaged or "
+            "hand-edited"
+        )
+
+
+def _record_tokens(index: dict, blocks: list[int], tokens: dict | None) -> None:
+    """Record in `index` (a commit's new one) the token store `blocks` were just trained on:
+    `tokens` (a preinfer.guards.token_record, less its path: a checkpoint's bytes follow what
+    it was trained on, not where the run sat) as the top-level "tokens" with those "blocks",
+    its fingerprint as each of their entries' "tokens". None (a commit from elsewhere, data
+    unknown): the old records of the top level and of those blocks go (they described other
+    weights)."""
+    index.pop("tokens", None)
+    for b in blocks:
+        index["blocks"][b].pop("tokens", None)
+        if tokens is not None:
+            index["blocks"][b]["tokens"] = tokens["fingerprint"]
+    if tokens is not None:
+        index["tokens"] = {**{k: v for k, v in tokens.items() if k != "path"}, "blocks": blocks}
 
 
 def _make_index(model_cfg: ModelConfig, model: nn.Module, adapter: Adapter, partition: Partition,

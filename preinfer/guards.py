@@ -231,12 +231,9 @@ def token_record(store) -> dict:
     }
 
 
-def check_same_tokens(recorded: dict, store, where: str) -> None:
-    """Refuse to go on training over a token store other than the one `recorded` (a
-    token_record) names: a re-tokenize since (other corpus, tokenizer or vocab) gives ids that
-    mean something else to the weights trained so far. `where`: the file holding the record."""
-    if recorded.get("fingerprint") == store.fingerprint:
-        return
+def token_changes(recorded: dict, store) -> str:
+    """What differs between the token store `recorded` (a token_record) names and `store`, as
+    their manifests tell it ("data.max_documents 8 -> 6; samples ... -> ...")."""
     now = token_record(store)
     old_data, new_data = recorded.get("data") or {}, now["data"]
     changed = [f"data.{k} {old_data.get(k)!r} -> {new_data[k]!r}" for k in _DATA_KEYS
@@ -246,10 +243,19 @@ def check_same_tokens(recorded: dict, store, where: str) -> None:
             changed.append(f"{what} {recorded.get(k)} -> {now[k]}")
     if recorded.get("tokenizer_sha256") != now["tokenizer_sha256"]:
         changed.append("tokenizer.json differs")
+    return "; ".join(changed) or "other corpus text or split"
+
+
+def check_same_tokens(recorded: dict, store, where: str) -> None:
+    """Refuse to go on training over a token store other than the one `recorded` (a
+    token_record) names: a re-tokenize since (other corpus, tokenizer or vocab) gives ids that
+    mean something else to the weights trained so far. `where`: the file holding the record."""
+    if recorded.get("fingerprint") == store.fingerprint:
+        return
     raise ConfigError(
         f"the token store changed under this run: {where} says it started on tokens "
         f"{str(recorded.get('fingerprint'))[:12]} ({recorded.get('path')}), but {store.path} now "
-        f"holds {store.fingerprint[:12]} ({'; '.join(changed) or 'other corpus text or split'}); "
+        f"holds {store.fingerprint[:12]} ({token_changes(recorded, store)}); "
         "the weights trained so far would read ids that now mean something else. Re-tokenize "
         "back (`preinfer tokenize --force` with the data settings the run started with), or "
         "start over in a fresh run.dir"

@@ -27,6 +27,7 @@ from preinfer.cache_identity import row_order, sample_indices, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast
+from preinfer.guards import token_record
 from preinfer.loss import count_targets, mode_loss
 from preinfer.metrics import append_metrics
 from preinfer.optim_state import load_optimizer_tensors, optimizer_tensors
@@ -42,10 +43,9 @@ from preinfer.trainer import (
     reset_peak_memory,
     train_step,
 )
+from preinfer.visit_state import drop_state, load_state, save_state, tokens_warning
 from storage.reader import open_cache
 from storage.tokens import TokenStore
-
-STATE_VERSION = 1
 
 
 class TrainingDiverged(ConfigError):
@@ -70,47 +70,11 @@ def state_path(cfg: Config, spec: VisitSpec) -> Path:
     return Path(cfg.run.dir) / "train_state" / f"r{spec.round}-b{spec.block}-{spec.mode}.pt"
 
 
-def _save_state(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".partial-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            try:
-                torch.save(state, f)
-            except RuntimeError as e:  # torch wraps the file's OSError (a full disk: ENOSPC)
-                if not isinstance(e.__context__, OSError):
-                    raise
-                raise OSError(e.__context__.errno, e.__context__.strerror, str(path)) from e
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    faults.kill_point("visit.state_tmp")
-    os.replace(tmp, path)
-    faults.kill_point("visit.state")
-
-
-def _drop_state(path: Path) -> None:
-    """The visit's mid-block state and the temps of saves a kill interrupted."""
-    for p in [path, *path.parent.glob(f"{path.stem}.partial-*")]:
-        p.unlink(missing_ok=True)
-
-
 def finish_committed(cfg: Config, round_: int, block: int, mode: str) -> None:
     """Tidy up after a visit killed once its commit was made (bcd records it as finished):
     the checkpoint's old files and temps, the visit's mid-block state."""
     Checkpoint.open(cfg.run.checkpoint).tidy()
-    _drop_state(state_path(cfg, VisitSpec(block=block, round=round_, mode=mode)))
-
-
-def _load_state(path: Path, start_hash: str) -> dict | None:
-    if not path.is_file():
-        return None
-    state = torch.load(path, map_location="cpu", weights_only=True)  # no pickle on the load path
-    if state.get("version") != STATE_VERSION or state.get("start_hash") != start_hash:
-        return None  # from another checkpoint state: stale, start the visit over
-    return state
+    drop_state(state_path(cfg, VisitSpec(block=block, round=round_, mode=mode)))
 
 
 @dataclass
@@ -264,7 +228,7 @@ class Visit:
             return value
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)  # nccl: on the GPU
         dist.all_reduce(t)
         return t.item() / self.world
 
@@ -275,7 +239,9 @@ class Visit:
         opt = self.optimizer()
         step, best, bad, val = 0, float("inf"), 0, None
         loss = float("nan")
-        state = _load_state(spath, start_hash)
+        state = load_state(spath, start_hash, self.store, log if self.rank == 0 else None)
+        if self.rank == 0 and (warning := tokens_warning(self.ckpt, self.store)):
+            log(warning)  # fine-tuning on other data: said, never refused
         if state is not None:
             with torch.no_grad():
                 for p, t in zip(self.params, state["params"], strict=True):
@@ -337,11 +303,11 @@ class Visit:
                 stopped = "early_stop"
                 break
             if self.rank == 0 and tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                _save_state(
+                save_state(
                     spath,
                     {
-                        "version": STATE_VERSION,
                         "start_hash": start_hash,
+                        "tokens": token_record(self.store),
                         "step": step,
                         "best": best,
                         "bad": bad,
@@ -379,7 +345,7 @@ class Visit:
             append_metrics(cfg, summary)
             self.commit(opt)
             faults.kill_point("visit.committed")
-            _drop_state(spath)
+            drop_state(spath)
             faults.kill_point("visit.done")
         return summary
 
@@ -424,4 +390,5 @@ class Visit:
         optim = None
         if self.tc.keep_optimizer_state:
             optim = {b: optimizer_tensors(opt, self.named.get(b, [])) for b in self.blocks}
-        self.ckpt.commit_blocks(states, optim=optim, optimizer=self.tc.optimizer)
+        self.ckpt.commit_blocks(states, optim=optim, optimizer=self.tc.optimizer,
+                                tokens=token_record(self.store))  # fmt: skip

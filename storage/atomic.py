@@ -105,6 +105,11 @@ def write_aside(
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a full disk on write / fsync: say which file it was
+            raise OSError(e.errno, e.strerror, str(p)) from e
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

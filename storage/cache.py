@@ -176,7 +176,10 @@ class CacheWriter:
                 0, estimate_cache_bytes(n, seq_len, hidden_size, dtype) - dir_bytes(cache_dir)
             )
             free = free_disk_bytes(cache_dir) if free_bytes is None else int(free_bytes)
-            if need > free:
+            # every shard committed (a build stopped before its manifest, by a full disk say):
+            # only the manifest is left, and a disk too full for it says so itself
+            marked = len(list((cache_dir / DONE).glob("*.json"))) if need > free else 0
+            if need > free and marked < header["num_shards"]:
                 raise CacheError(
                     f"cache {fingerprint} needs up to {need} bytes ({human(need)}) but only "
                     f"{free} bytes ({human(free)}) are free at {cache_dir}; free space "

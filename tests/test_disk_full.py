@@ -6,6 +6,10 @@ hit it.
 The error is real: ENOSPC from a small tmpfs where this machine can mount one (root), else
 EFBIG from a file-size limit (RLIMIT_FSIZE, unprivileged) on the stages' process, so the test
 never skips. The stages run in a child process (the limit must not touch pytest's own files).
+A Ray build's actors get the limit once they run (resource.prlimit on their pids: a limit set
+before Ray starts stops Ray itself, whose object store and logs are files too); Python ignores
+SIGXFSZ, so their writes past it fail with EFBIG. The commands a user runs (`preinfer cache
+build`, `preinfer bcd`) must each end with exit 1 and one line naming the file.
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ from pathlib import Path
 import pytest
 
 from core import faults
+from pipelines.cache_build import build_cache
 from preinfer.checkpoint import Checkpoint
+from storage.cache import CacheWriter
+from storage.layout import MANIFEST
 from storage.tokens import TokenStore
-from tests.pipeline_fixtures import TINY
+from tests.pipeline_fixtures import TINY, quiet
+from tests.test_kills import assert_same_cache, shard_log
 
 ROOT = Path(__file__).resolve().parents[1]
 OVER = [*TINY, "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=2",
@@ -72,11 +80,29 @@ def _limit(nbytes: int | None):
     return pre
 
 
+def _fill(mnt: Path) -> None:
+    """Fill the disk at `mnt` whole (someone else's file): the next page written is an ENOSPC."""
+    free = shutil.disk_usage(mnt).free
+    with open(mnt / "filler", "wb") as f, contextlib.suppress(OSError):
+        f.write(b"\0" * free)
+
+
+def _communicate(p: subprocess.Popen, timeout: float = 900) -> tuple[str, str]:
+    """(stdout, stderr) of `p` once it exits; killed (and the test failed) past `timeout`."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+
+
 def _stages(run_dir: Path, fsize: int | None = None, fill_after_shards: int = 0,
-            extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
+            extra: tuple[str, ...] = (), env: dict | None = None, rc: int = 0) -> dict:  # fmt: skip
     """tokenize -> init -> bcd in a child; fill_after_shards: once that many cache shards are
-    done, fill the disk under the child (someone else's file), as a build goes on writing."""
-    env = dict(os.environ)
+    done, fill the disk under the child (someone else's file), as a build goes on writing.
+    env: more environment (fault switches); rc: the exit status expected ({} unless 0)."""
+    env = {**os.environ, **(env or {})}
     if fill_after_shards:
         env[faults.SHARD_DELAY_S] = "0.3"  # time to fill the disk between two shards
     p = subprocess.Popen([sys.executable, "-c", _CHILD, f"run.dir={run_dir}", *OVER, *extra], cwd=ROOT,
@@ -85,12 +111,10 @@ def _stages(run_dir: Path, fsize: int | None = None, fill_after_shards: int = 0,
     if fill_after_shards:
         while p.poll() is None and len(list(run_dir.glob("cache/*/done/*"))) < fill_after_shards:
             time.sleep(0.05)
-        free = shutil.disk_usage(run_dir).free
-        with open(run_dir.parent / "filler", "wb") as f, contextlib.suppress(OSError):
-            f.write(b"\0" * free)  # fills it whole: the next page written is an ENOSPC
-    out, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+        _fill(run_dir.parent)
+    out, err = _communicate(p)
+    assert p.returncode == rc, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]) if rc == 0 else {}
 
 
 def _mount(mnt: Path, size: int) -> bool:
@@ -114,7 +138,7 @@ def _category(res: dict) -> str:
     """What was being written: from the file name, else from the writer in the traceback."""
     text = f"{res['file']}\n{res['where']}"
     for key, cat in (("tokens", "tokens"), ("/cache/", "cache"), ("storage/cache.py", "cache"),
-                     ("train_state", "visit state"), ("_save_state", "visit state"),
+                     ("train_state", "visit state"), ("visit_state.py", "visit state"),
                      ("checkpoint", "checkpoint"), ("state.json", "state.json")):  # fmt: skip
         if key in text:
             return cat
@@ -193,3 +217,165 @@ def test_the_cli_says_the_disk_is_full_in_one_line(tmp_path):
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("preinfer tokenize: error:")]
     assert "File too large" in line or "No space left" in line
     assert str(tmp_path / "run") in line and "rerun" in line
+
+
+RAY_LIMIT = 4096  # bytes an actor may write to a file: a done marker (~350 B), not a shard
+
+
+@contextlib.contextmanager
+def _small_disk(size: int):
+    """A tmpfs of `size` bytes where this machine can mount one (its path), else None: the
+    caller then puts a file-size limit on the processes that write."""
+    mnt = Path(f"/tmp/preinfer-full-{uuid.uuid4().hex[:8]}")
+    mounted = _mount(mnt, size)
+    try:
+        yield mnt if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
+def _cli(args: list[str], sets: list[str], *, env: dict | None = None,
+         fsize: int | None = None) -> subprocess.Popen:  # fmt: skip
+    """`preinfer <args> --set ...` started as a user runs it (stdout, stderr piped)."""
+    cmd = [sys.executable, "-m", "pipelines.cli", *args, "--config", "configs/demo.yaml",
+           *[x for s in sets for x in ("--set", s)]]  # fmt: skip
+    env = {**os.environ, **(env or {})}
+    env.pop("RAY_ADDRESS", None)  # its own Ray instance
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, preexec_fn=_limit(fsize))  # fmt: skip
+
+
+def _one_line(err: str, cmd: str, under: Path, code: int) -> str:
+    """The one disk-full line of `preinfer <cmd>` naming a file under `under` and the OS error
+    `code` (ENOSPC: the tmpfs, EFBIG: the file-size limit); no traceback (Ray's "Unhandled
+    error" reports carry one) and no other error line."""
+    assert "Traceback" not in err and "Unhandled error" not in err, err[-4000:]
+    lines = [x for x in err.splitlines() if "error" in x.lower()]
+    assert len(lines) == 1 and lines[0].startswith(f"preinfer {cmd}: error: the disk is full"), err
+    assert f"writing {under}/" in lines[0] and f"({os.strerror(code)})" in lines[0], lines[0]
+    assert "rerun the same command" in lines[0]
+    return lines[0]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "filler"}  # fmt: skip
+
+
+def _done(root: Path, fps: list[str]) -> int:
+    return sum(len(list((root / fp / "done").glob("*.json"))) for fp in fps)
+
+
+@pytest.mark.ray
+# two Ray starts and three commands: ~60-180 s on 2 busy CPUs
+def test_a_ray_build_on_a_full_disk_fails_in_one_line_keeps_every_cache_and_resumes(
+    tiny_run, tmp_path
+):
+    """`preinfer cache build` over Ray actors (executor=ray) on a disk that fills (a) while the
+    actors write shards, (b) as the driver writes the manifests (every shard in). Each time:
+    exit 1 and one line naming the file (not Ray's wrapper of the actor's OSError, which has no
+    errno and prints as a traceback), the earlier complete caches and every committed shard
+    intact, and the rerun once space is back ends with a clean build's bytes."""
+    clean = tiny_run(f"cache.root={tmp_path / 'clean'}")
+    fps = list(build_cache(clean, 2, log=quiet)["fingerprints"].values())  # local, with room
+    total = sum(CacheWriter.open(clean.cache.root, fp).num_shards for fp in fps)
+    with _small_disk(16 << 20) as mnt:
+        code = errno.ENOSPC if mnt else errno.EFBIG
+        root = (mnt or tmp_path) / "cache"
+        ray_sets = [f"cache.root={root}", "preinfer.executor=ray"]
+        sets = [*TINY, f"run.dir={clean.run.dir}", *ray_sets]
+        build_cache(tiny_run(f"cache.root={root}"), 1, log=quiet)  # an earlier complete boundary
+        earlier = _files(root)
+
+        # (a) the disk fills once two shards are committed, the actors writing on
+        log = tmp_path / "shards.log"
+        p = _cli(["cache", "build", "--block", "2"], sets,
+                 env={faults.SHARD_DELAY_S: "0.5", faults.SHARD_LOG: str(log)})  # fmt: skip
+        limited: set[int] = set()
+        while p.poll() is None:
+            if _done(root, fps) >= 2 and mnt is not None and not (mnt / "filler").exists():
+                _fill(mnt)
+            elif _done(root, fps) >= 2 and mnt is None:  # each actor, before its next write
+                for pid in {row[0] for row in shard_log(log)} - limited:
+                    with contextlib.suppress(ProcessLookupError):
+                        resource.prlimit(pid, resource.RLIMIT_FSIZE, (RAY_LIMIT, RAY_LIMIT))
+                    limited.add(pid)
+            time.sleep(0.05)
+        err = _communicate(p)[1]
+        assert p.returncode == 1, err[-4000:]
+        _one_line(err, "cache", root, code)
+        assert {k: v for k, v in _files(root).items() if k in earlier} == earlier
+        for fp in fps:  # a marker on disk = a shard whose files verify; no manifest
+            marked = {int(m.stem) for m in (root / fp / "done").glob("*.json")}
+            w = CacheWriter.open(root, fp)
+            assert set(range(w.num_shards)) - set(w.missing_shards()) == marked
+            assert not (root / fp / MANIFEST).exists()
+        committed = _done(root, fps)
+        assert 2 <= committed < total
+        if mnt is not None:
+            (mnt / "filler").unlink()
+        res = build_cache(tiny_run(*ray_sets), 2, log=quiet)
+        assert res["action"] == "built" and res["shards"] == total - committed
+        for fp in fps:
+            assert_same_cache(clean.cache.root, root, fp)
+        assert not list(root.rglob("*.partial"))
+
+        # (b) every shard in, no manifest (a driver gone before its finalize leaves that);
+        # the resumed build computes nothing (no Ray) and writes the manifests on a full disk
+        for fp in fps:
+            (root / fp / MANIFEST).unlink()
+        before = _files(root)
+        if mnt is not None:
+            _fill(mnt)
+        smallest = min((Path(clean.cache.root) / fp / MANIFEST).stat().st_size for fp in fps)
+        p = _cli(["cache", "build", "--block", "2"], sets, fsize=None if mnt else smallest - 1)
+        err = _communicate(p)[1]
+        assert p.returncode == 1, err[-4000:]
+        assert MANIFEST in _one_line(err, "cache", root, code)
+        assert _files(root) == before  # nothing lost, nothing half-written left
+        if mnt is not None:
+            (mnt / "filler").unlink()
+        res = build_cache(tiny_run(*ray_sets), 2, log=quiet)
+        assert res["action"] == "built" and res["shards"] == 0
+        for fp in fps:
+            assert_same_cache(clean.cache.root, root, fp)
+
+
+def _block_hashes(run: Path) -> list[str]:
+    ck = Checkpoint.open(run / "checkpoint")
+    return [ck.block_hash(i) for i in range(ck.num_blocks)]
+
+
+# a rotation killed, then finished: ~30-45 s on 2 busy CPUs
+def test_a_full_disk_at_state_json_keeps_the_last_one_and_a_rerun_completes(
+    clean_run, tiny_base, tmp_path
+):
+    """`preinfer bcd` resuming a killed rotation rewrites state.json first, on a full disk:
+    exit 1 and one line naming state.json; the killed rotation's state.json, checkpoint and
+    caches are kept byte for byte; the rerun once space is back ends where a clean run does."""
+    clean, _ = clean_run
+    with _small_disk(16 << 20) as mnt:
+        code = errno.ENOSPC if mnt else errno.EFBIG
+        run = (mnt or tmp_path) / "run"
+        shutil.copytree(tiny_base, run)  # tokens and a fresh checkpoint, as the clean run's
+        # killed in block 1's visit: state.json has visit r0-b0 and r0-b1 pending
+        _stages(run, env={faults.KILL_AT: "0:1:1"}, rc=137)
+        state = (run / "state.json").read_bytes()
+        assert list(json.loads(state)["visits"]) == ["r0-b0"]
+        blocks, caches = _block_hashes(run), _files(run / "cache")
+        if mnt is not None:
+            _fill(mnt)
+        # the limit: past the run lock's record (~300 B), short of state.json
+        p = _cli(["bcd"], [f"run.dir={run}", *OVER], fsize=None if mnt else len(state) // 2)
+        err = _communicate(p)[1]
+        assert p.returncode == 1, err[-4000:]
+        assert "state.json" in _one_line(err, "bcd", run, code)
+        assert (run / "state.json").read_bytes() == state
+        assert _block_hashes(run) == blocks and _files(run / "cache") == caches
+        assert not list(run.rglob("*.partial"))
+        if mnt is not None:
+            (mnt / "filler").unlink()
+        assert _stages(run) == {"ok": True}
+        _same_as_clean(run, clean)

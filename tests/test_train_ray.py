@@ -1,4 +1,8 @@
-"""Ray Train: 2 DDP workers (gloo) follow the same loss curve as 1 worker with the same global batch."""
+"""Ray Train: 2 DDP workers (gloo) follow the same loss curve as 1 worker with the same global batch.
+
+Slow whatever the step count (52-81 s, `nice -n 19` on 2 busy CPUs, + the fixture): a Ray start,
+Ray Train's controller, and 2 worker processes importing torch, transformers and ray.train. The
+ranks' code (pipelines.train.run_rank) runs without Ray in `make test`: tests/test_ddp.py."""
 
 import json
 from pathlib import Path
