@@ -26,7 +26,13 @@ from preinfer.device import resolve_device
 from preinfer.memory import GiB, model_shape, setup_for, trainer_memory
 from preinfer.partition import partition_layers
 from storage.atomic import human
-from storage.layout import CacheError, estimate_cache_bytes, free_disk_bytes, rows_per_shard
+from storage.layout import (
+    CacheError,
+    committed_shards,
+    estimate_cache_bytes,
+    free_disk_bytes,
+    rows_per_shard,
+)
 from storage.tokens import TokenStore
 from storage.values import stored_dtype
 
@@ -145,8 +151,7 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
 
 def _done(cfg, plan) -> int:
     """Shards of a CachePlan already committed (done markers on disk)."""
-    d = Path(cfg.cache.root) / plan.fingerprint / "done"
-    return len(list(d.glob("*.json"))) if d.is_dir() else 0
+    return committed_shards(Path(cfg.cache.root) / plan.fingerprint)
 
 
 def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = None,

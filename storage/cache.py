@@ -52,6 +52,7 @@ from storage.layout import (
     CacheError,
     CacheIncomplete,
     check_marker,
+    committed_shards,
     estimate_cache_bytes,
     free_disk_bytes,
     read_json,
@@ -178,7 +179,7 @@ class CacheWriter:
             free = free_disk_bytes(cache_dir) if free_bytes is None else int(free_bytes)
             # every shard committed (a build stopped before its manifest, by a full disk say):
             # only the manifest is left, and a disk too full for it says so itself
-            marked = len(list((cache_dir / DONE).glob("*.json"))) if need > free else 0
+            marked = committed_shards(cache_dir) if need > free else 0
             if need > free and marked < header["num_shards"]:
                 raise CacheError(
                     f"cache {fingerprint} needs up to {need} bytes ({human(need)}) but only "

@@ -20,6 +20,7 @@ from storage.layout import (
     MANIFEST,
     CacheError,
     CacheIncomplete,
+    committed_shards,
     read_json,
 )
 from storage.manifest import validate_manifest
@@ -70,7 +71,7 @@ def _summary(d: Path) -> dict:
     except (FileNotFoundError, CacheError, KeyError):
         header, meta = {}, {}
         row.update(compression_ratio=None, created=None)
-    done = len(list((d / DONE).glob("*.json"))) if (d / DONE).is_dir() else 0
+    done = committed_shards(d)
     row.update(
         _meta_fields(meta),
         N=header.get("num_samples"),

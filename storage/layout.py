@@ -65,6 +65,12 @@ def read_json(path: Path, what: str) -> dict:
         raise CacheCorrupt(f"{what} {path} is unreadable ({e}); delete it and rebuild") from None
 
 
+def committed_shards(cache_dir: Path) -> int:
+    """Shards of the cache at `cache_dir` committed so far (their done markers)."""
+    d = Path(cache_dir) / DONE
+    return len(list(d.glob("*.json"))) if d.is_dir() else 0
+
+
 def rows_per_shard(seq_len: int, hidden_size: int, dtype: str, shard_mb: float) -> int:
     """Rows R per shard so that one shard holds about `shard_mb` MiB of stored values."""
     row = seq_len * hidden_size * stored_dtype(dtype).itemsize

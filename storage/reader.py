@@ -29,7 +29,6 @@ from core.fingerprint import CACHE_FORMAT_VERSION
 from storage import fs, lease
 from storage.atomic import entry_algo, file_matches, hasher, read_array, read_into
 from storage.layout import (
-    DONE,
     HIDDEN,
     MANIFEST,
     SAMPLES,
@@ -38,6 +37,7 @@ from storage.layout import (
     CacheError,
     CacheIncomplete,
     FingerprintMismatch,
+    committed_shards,
     read_json,
 )
 from storage.manifest import validate_manifest
@@ -105,7 +105,7 @@ def _open(cdir, expected_fingerprint, expected_meta, verify: bool, check_reads: 
     fp = cdir.name
     mp = cdir / MANIFEST
     if not mp.exists():
-        done = len(list((cdir / DONE).glob("*.json"))) if (cdir / DONE).is_dir() else 0
+        done = committed_shards(cdir)
         total = "?"
         with contextlib.suppress(FileNotFoundError, CacheError, KeyError):
             total = read_json(cdir / "build.json", "build file")["header"]["num_shards"]
