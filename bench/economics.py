@@ -76,6 +76,12 @@ class Scale:
 
 LAYERS_HEAVY = ["model.arch=gpt2", "model.hidden_size=256", "model.num_layers=6",
                 "model.num_heads=4", "model.max_positions=128"]  # fmt: skip
+# --arch llama: the same shape, untied (its LM head is the last block's, so the head-first
+# order trains it first), GQA 2:1
+ARCH = {
+    "gpt2": ["model.arch=gpt2"],
+    "llama": ["model.arch=llama", "model.tie_embeddings=false", "model.num_kv_heads=2"],
+}
 DEFAULT = Scale(model=LAYERS_HEAVY, documents=200)
 QUICK = Scale(
     model=[
@@ -409,12 +415,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--work", default=None, help="keep runs here (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
+    ap.add_argument("--arch", choices=sorted(ARCH), default="gpt2",
+                    help="gpt2 (tied, default) or llama (untied, GQA)")  # fmt: skip
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                     help="the B-F studies instead: the bcd arm under each, for full's steps")  # fmt: skip
     a = ap.parse_args(argv)
     sc = QUICK if a.quick else DEFAULT
     if a.seeds is not None:
         sc.seeds = a.seeds
+    sc.model = [o for o in sc.model if not o.startswith("model.arch=")] + ARCH[a.arch]
     if a.threads:
         torch.set_num_threads(a.threads)
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="economics-")
@@ -425,12 +434,16 @@ def main(argv=None) -> dict:
         studies = [variants_study(sc, work, M, e, a.variants) for M in a.M for e in a.epochs]
         res = {"scale": asdict(sc), "variant_studies": studies, "load_start": load0,
                "load_end": load_average(), "seconds": time.perf_counter() - t0,
-               "overrides": {v: VARIANTS[v] for v in a.variants},
+               "overrides": {v: VARIANTS[v] for v in a.variants}, "arch": a.arch,
                "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
         res["table"] = "\n\n".join(render_variants(s) for s in studies)
         print(res["table"])
         print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
-        out = Path(a.out) if a.out else results_path("economics-variants")
+        out = (
+            Path(a.out)
+            if a.out
+            else results_path("economics-variants" + ("" if a.arch == "gpt2" else f"-{a.arch}"))
+        )
         write_results(out, res)
         if tmp is not None:
             tmp.cleanup()
@@ -441,7 +454,7 @@ def main(argv=None) -> dict:
     studies = [study(sc, work, M, e) for M in a.M for e in a.epochs]
     res = {"scale": asdict(sc), "studies": studies, "load_start": load0,
            "load_end": load_average(), "seconds": time.perf_counter() - t0,
-           "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "arch": a.arch,
            "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
     res["table"] = render(res)
     print(res["table"])

@@ -25,6 +25,7 @@ from preinfer.checkpoint_format import CheckpointError
 from preinfer.device import resolve_device
 from preinfer.memory import GiB, model_shape, setup_for, trainer_memory
 from preinfer.partition import partition_layers
+from storage import fs
 from storage.atomic import human
 from storage.layout import (
     CacheError,
@@ -151,7 +152,7 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
 
 def _done(cfg, plan) -> int:
     """Shards of a CachePlan already committed (done markers on disk)."""
-    return committed_shards(Path(cfg.cache.root) / plan.fingerprint)
+    return committed_shards(fs.path(cfg.cache.root) / plan.fingerprint)
 
 
 def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = None,

@@ -65,9 +65,10 @@ def read_json(path: Path, what: str) -> dict:
         raise CacheCorrupt(f"{what} {path} is unreadable ({e}); delete it and rebuild") from None
 
 
-def committed_shards(cache_dir: Path) -> int:
-    """Shards of the cache at `cache_dir` committed so far (their done markers)."""
-    d = Path(cache_dir) / DONE
+def committed_shards(cache_dir) -> int:
+    """Shards of the cache at `cache_dir` (a Path or fs.RemotePath) committed so far (their
+    done markers)."""
+    d = cache_dir / DONE
     return len(list(d.glob("*.json"))) if d.is_dir() else 0
 
 
