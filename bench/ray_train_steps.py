@@ -8,13 +8,16 @@ from tokens, then the last block from its cache, the demo's model) from the same
 the Ray Train arm joins a Ray instance this process starts (as a job joins its cluster), with
 one worker given every CPU (`train.cpus_per_worker`, default: the node's CPUs / workers).
 Arms alternate, `--repeats` times; the figure is the visit's own tokens/s (its loop, without
-Ray Train's start-up, which is reported apart as the arm's extra wall-clock). Target (#15):
-Ray Train / in process >= 0.9.
+Ray Train's start-up, which is reported apart as the arm's extra wall-clock), beside the
+steady step time (median past each visit's first two steps, from metrics.jsonl's step clock).
+Target (#15): Ray Train / in process >= 0.9. Run it on an idle machine: on 2 CPUs the Ray
+worker's two torch threads lose far more to other load than the driver's do.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -30,16 +33,25 @@ from pipelines.train import run_train
 from preinfer.config import load_config
 
 
-def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float]:
-    """(visit tokens/s, wall-clock of the whole run_train call)."""
+def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float, float]:
+    """(visit tokens/s, its median step seconds past the first two, wall-clock of the whole
+    run_train call). Step times come from the step records' clock in metrics.jsonl."""
+    metrics = Path(cfg.run.dir) / "metrics.jsonl"
+    seen = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     if ray_address:
         os.environ["RAY_ADDRESS"] = ray_address
     try:
         t0 = time.perf_counter()
         summary = run_train(cfg, block, 0, log=_quiet, memory_check=False)
-        return summary["tokens_per_s"], time.perf_counter() - t0
+        wall = time.perf_counter() - t0
     finally:
         os.environ.pop("RAY_ADDRESS", None)
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()[seen:]]
+    t = [r["time"] for r in recs if r.get("event") == "step"]
+    steady = statistics.median(
+        [b - a for a, b in zip(t[2:-1], t[3:], strict=True)] or [float("nan")]
+    )
+    return summary["tokens_per_s"], steady, wall
 
 
 def main(argv=None) -> dict:
@@ -69,14 +81,15 @@ def main(argv=None) -> dict:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)  # fmt: skip
         address = ray.get_runtime_context().gcs_address
-        rows = {b: {"in process": [], "ray train": [], "wall in": [], "wall ray": []}
-                for b in (0, last)}  # fmt: skip
+        rows = {b: {"in process": [], "ray train": [], "step in": [], "step ray": [],
+                    "wall in": [], "wall ray": []} for b in (0, last)}  # fmt: skip
         for _ in range(a.repeats):
             for b in (0, last):
                 # each visit starts from the same weights: the commit is undone after it
                 for arm, addr in (("in process", None), ("ray train", address)):
-                    tps, wall = _visit(cfg, b, addr)
+                    tps, step, wall = _visit(cfg, b, addr)
                     rows[b][arm].append(tps)
+                    rows[b]["step in" if addr is None else "step ray"].append(step)
                     rows[b]["wall in" if addr is None else "wall ray"].append(wall)
                     _reset(cfg, pristine)
         ray.shutdown()
@@ -85,13 +98,15 @@ def main(argv=None) -> dict:
     res = {"config": a.config, "steps": a.steps, "repeats": a.repeats, "cpus": os.cpu_count(),
            "load_start": load0, "load_end": load_average(), "blocks": {}}  # fmt: skip
     table = [("block (input)", "in process tok/s", "Ray Train tok/s", "Ray Train / in process",
+              "steady step time, in process / Ray Train",
               "start-up + eval + commit extra s (Ray)")]  # fmt: skip
     for b, r in rows.items():
         med = {k: statistics.median(v) for k, v in r.items()}
         ratio = med["ray train"] / med["in process"]
-        res["blocks"][str(b)] = {**r, "ratio": ratio}
+        steady = med["step in"] / med["step ray"]
+        res["blocks"][str(b)] = {**r, "ratio": ratio, "steady_ratio": steady}
         table.append((f"{b} ({'tokens' if b == 0 else 'cache'})", f"{med['in process']:.0f}",
-                      f"{med['ray train']:.0f}", f"{ratio:.2f}",
+                      f"{med['ray train']:.0f}", f"{ratio:.2f}", f"{steady:.2f}",
                       f"{med['wall ray'] - med['wall in']:.1f}"))  # fmt: skip
     res["table"] = headline_table(table)
     print(res["table"])
