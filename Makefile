@@ -9,7 +9,7 @@ CLI     := $(PY) -m pipelines.cli
 PYTEST_WORKERS ?=
 OUT     ?= runs/export
 
-.PHONY: setup test test-slow test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench clean
+.PHONY: setup test test-slow test-targets test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,9 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not cluster"
 	$(MAKE) test-cluster
+
+test-targets: $(STAMP)  # the slow tests of quality targets (deterministic, not timings)
+	$(PY) -m pytest -q -m "target and not cluster"
 
 test-cluster: $(STAMP)  # real `ray start` clusters on 127.0.0.1, torn down by pid
 	$(PY) -m pytest -q -m cluster

@@ -47,7 +47,7 @@ from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.costmodel import Flops, run_flops
 from preinfer.loss import evaluate_tokens
-from preinfer.memory import model_shape
+from preinfer.model_shape import model_shape
 from preinfer.visit import VisitHooks
 from storage.tokens import TokenStore
 
@@ -103,12 +103,15 @@ QUICK = Scale(
 )
 
 
-# The B-F studies (#15 item 4): what each changes in the bcd arm's config.
+# The B-F studies (#15 item 4): what each changes in the bcd arm's config. `base` is the
+# rotation as first measured (a fresh AdamW every visit, per-visit schedule, ascending order);
+# every other variant changes one thing from it.
+_BASE = ["train.keep_optimizer_state=false", "train.schedule=visit", "train.order=ascending"]
 VARIANTS = {
-    "base": [],
-    "adam-state": ["train.keep_optimizer_state=true"],  # AdamW moments kept across rounds
-    "run-schedule": ["train.schedule=run"],  # one warmup + cosine over the whole rotation
-    "descending": ["train.order=descending"],  # head-side block first
+    "base": _BASE,
+    "adam-state": [*_BASE, "train.keep_optimizer_state=true"],  # AdamW kept across rounds
+    "run-schedule": [*_BASE, "train.schedule=run"],  # one warmup + cosine over the rotation
+    "descending": [*_BASE, "train.order=descending"],  # head-side block first
 }
 
 

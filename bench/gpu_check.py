@@ -73,7 +73,8 @@ def step_memory(out: Path) -> dict:
     from preinfer.checkpoint import Checkpoint
     from preinfer.config import load_config
     from preinfer.guards import warn_trainer_memory
-    from preinfer.memory import model_shape, preinfer_memory, setup_for
+    from preinfer.memory import preinfer_memory, setup_for
+    from preinfer.model_shape import model_shape
     from preinfer.visit import Visit, VisitSpec
 
     cfg = load_config(ROOT / "configs/demo.yaml", [f"run.dir={out / 'demo'}", "run.device=cuda",

@@ -218,15 +218,15 @@ def _estimate(sh, part, p, label: str) -> dict:
 def rescore(rows: list[dict]) -> list[dict]:
     """The same measured rows with estimates from preinfer.memory as it is now (after
     recalibrating its constants); shapes and partitions are arithmetic, nothing runs."""
-    from preinfer import memory as plan
     from preinfer.config import load_config
+    from preinfer.model_shape import model_shape
     from preinfer.partition import partition_layers
 
     out = []
     for r in rows:
         path, over, n_tr, n_val = SETS[r["config"]]
         cfg = load_config(ROOT / path if path else None, [*COMMON, *over, "run.dir=unused"])
-        sh = plan.model_shape(cfg.model)
+        sh = model_shape(cfg.model)
         part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
         est = _estimate(sh, part, _setup(cfg, sh, n_tr, n_val), r["arm"])
         out.append({**r, "estimate": est["peak"], "phase": est["phase"],
@@ -242,10 +242,10 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
     still build the caches they read) `repeats` times each, return rows with estimate and
     median measurement."""
     from pipelines.init import run_init
-    from preinfer import memory as plan
     from preinfer.cache_identity import plan_caches
     from preinfer.checkpoint import Checkpoint
     from preinfer.config import load_config
+    from preinfer.model_shape import model_shape
     from storage.cache import CacheWriter
 
     path, over, n_tr, n_val = SETS[name]
@@ -254,7 +254,7 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
     _tokens(cfg, n_tr, n_val)
     run_init(cfg, log=lambda *a: None)
     part = Checkpoint.open(cfg.run.checkpoint).partition
-    sh = plan.model_shape(cfg.model)
+    sh = model_shape(cfg.model)
     p = _setup(cfg, sh, n_tr, n_val)
     M, rows = part.num_blocks, []
 

@@ -33,7 +33,8 @@ from preinfer.device import resolve_device
 from preinfer.guards import check_vocab, warn_trainer_memory
 from preinfer.metrics import last_visit_summary
 from preinfer.tokenization import check_store_objective
-from preinfer.visit import Visit, VisitHooks, VisitSpec
+from preinfer.visit import Visit, VisitHooks, VisitSpec, state_path
+from preinfer.visit_state import load_state
 from storage.tokens import TokenStore
 
 
@@ -165,6 +166,8 @@ def run_train(
         raise ConfigError(
             "visit hooks run in this process only; train with train.workers=0 or 1 to use them"
         )
+    # a mid-block state trained on other tokens: refused here, before any worker starts
+    load_state(state_path(cfg, spec), ckpt.prefix_hash(ckpt.num_blocks), store)
 
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preinfer.memory import ModelShape
+from preinfer.model_shape import ModelShape
 
 
 @dataclass(kw_only=True)

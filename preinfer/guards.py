@@ -23,7 +23,8 @@ from preinfer.cache_identity import visit_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_format import CheckpointError
 from preinfer.device import resolve_device
-from preinfer.memory import GiB, model_shape, setup_for, trainer_memory
+from preinfer.memory import GiB, setup_for, trainer_memory
+from preinfer.model_shape import model_shape
 from preinfer.partition import partition_layers
 from storage import fs
 from storage.atomic import human

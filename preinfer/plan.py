@@ -18,13 +18,13 @@ from preinfer.memory import (
     OPT_STATE,
     PRECISIONS,
     GiB,
-    model_shape,
     preinfer_memory,
     setup_for,
     sharded_full_cards,
     smallest_fitting_m,
     trainer_memory,
 )
+from preinfer.model_shape import model_shape
 from preinfer.partition import partition_layers
 from storage.layout import free_disk_bytes
 from storage.tokens import TokenStore

@@ -66,8 +66,8 @@ class TrainConfig:
     """CPUs (and torch threads) per Ray Train CPU worker; null = this node's CPUs / workers."""
     checkpoint_every: int = 50
     """Save a resumable mid-block state every this many steps (0 = off)."""
-    keep_optimizer_state: bool = False
-    """Keep each block's optimizer state (AdamW moments, step) in the checkpoint for its next visit; false = fresh every visit."""
+    keep_optimizer_state: bool = True
+    """Keep each block's optimizer state (AdamW moments, step) in the checkpoint for its next visit (lower ppl on 3/3 seeds); false = fresh every visit."""
     seed: int = 0
     """Seed of data order and dropout."""
     shuffle_buffer_mb: float = 64.0

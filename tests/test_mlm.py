@@ -318,10 +318,12 @@ def test_minilm_learns_masked_lm_from_the_cache(tmp_path):
 
 
 @pytest.mark.slow  # the boundary-5 cache of 100 documents, then 600 steps: ~5-10 min on 2 CPUs
+@pytest.mark.target  # #18's target: CI runs it (`make test-targets`); too slow for make test
 def test_minilm_reaches_half_ln_v_once_its_head_is_trained_from_the_cache(tmp_path):
     """The issue's target: after training its last block (layer 5 + the fresh MLM head) from
-    the boundary-5 cache, the pretrained MiniLM's val MLM loss is <= 0.5 ln V (measured 5.09;
-    two 300-step visits, each with its own warmup and cosine)."""
+    the boundary-5 cache, the pretrained MiniLM's val MLM loss is <= 0.5 ln V (two 300-step
+    visits, each with its own warmup and cosine; measured 5.09 with a fresh AdamW per visit,
+    and it passes with the state kept across visits, the default)."""
     from pipelines.init import run_init
 
     cfg = minilm_cfg(

@@ -1,5 +1,5 @@
 """train.keep_optimizer_state: each block's optimizer state is committed with its weights and
-resumed at the block's next visit; off (the default) the checkpoint is what it always was."""
+resumed at the block's next visit (the default); off, the checkpoint is what it always was."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tests.pipeline_fixtures import quiet, tiny_cfg
 CPU = torch.device("cpu")
 SHORT = ["train.max_steps=3", "train.eval_every=0", "train.checkpoint_every=0"]
 KEEP = "train.keep_optimizer_state=true"
+OFF = "train.keep_optimizer_state=false"
 
 
 def visit(cfg, block: int, round_: int) -> Visit:
@@ -50,8 +51,8 @@ def test_second_round_starts_from_the_saved_state(tiny_run):
     ckpt(cfg).verify()
 
 
-def test_default_off_is_unchanged_and_the_state_never_moves_a_hash(tiny_run, tmp_path):
-    off = tiny_run(*SHORT)
+def test_off_is_unchanged_and_the_state_never_moves_a_hash(tiny_run, tmp_path):
+    off = tiny_run(*SHORT, OFF)
     shutil.copytree(off.run.dir, tmp_path / "on")
     on = tiny_cfg(tmp_path / "on", *SHORT, KEEP)
     for cfg in (off, on):
@@ -74,7 +75,7 @@ def test_default_off_is_unchanged_and_the_state_never_moves_a_hash(tiny_run, tmp
     assert ckpt(off).block_hash(1) != ckpt(on).block_hash(1)
     # a visit with the switch off drops the saved state (it belonged to the old weights)
     old = ckpt(on).index["blocks"][1]["optim"]["file"]
-    visit(tiny_cfg(tmp_path / "on", *SHORT), 1, 2).run(log=quiet)
+    visit(tiny_cfg(tmp_path / "on", *SHORT, OFF), 1, 2).run(log=quiet)
     assert "optim" not in ckpt(on).index["blocks"][1] and not (ckpt(on).path / old).exists()
 
 
@@ -127,6 +128,6 @@ def test_state_that_does_not_fit_is_refused(tiny_run):
     commit(saved, optimizer="sgd")
     with pytest.raises(CheckpointError, match="is sgd's; this visit uses adamw"):
         visit(cfg, 1, 1).optimizer()
-    visit(tiny_run(*SHORT), 1, 1).optimizer()  # with the switch off nothing is read
+    visit(tiny_run(*SHORT, OFF), 1, 1).optimizer()  # with the switch off nothing is read
     with pytest.raises(CheckpointError, match="exactly those blocks"):
         ck.commit_blocks({1: weights}, optim={2: saved}, optimizer="adamw")

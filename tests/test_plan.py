@@ -22,6 +22,7 @@ from core.config import ConfigError
 from preinfer import memory, plan
 from preinfer.config import load_config
 from preinfer.guards import DiskSpaceError, check_disk_for_cache, warn_trainer_memory
+from preinfer.model_shape import model_shape
 from preinfer.partition import partition_layers
 from tests.conftest import tiny_model_config
 
@@ -59,7 +60,7 @@ def test_layer_activation_count_matches_autograd(arch, trainable):
     h = torch.randn(B, S, cfg.hidden_size, requires_grad=True)
     ctx = ad.context(h)
     got = _saved_bytes(model, lambda: ad.layer(0, h, ctx))
-    want = memory.layer_act(memory.model_shape(cfg), trainable) * B * S * 4
+    want = memory.layer_act(model_shape(cfg), trainable) * B * S * 4
     assert got == pytest.approx(want, rel=0.06), (got, want)
 
 
@@ -95,7 +96,7 @@ def test_plan_configs_load_and_say_plan_only():
 
 def test_breakdown_follows_what_each_stage_loads(tmp_path):
     cfg = load_config(ROOT / "configs" / "plan-g7b.yaml", [f"run.dir={tmp_path}"])
-    sh = memory.model_shape(cfg.model)
+    sh = model_shape(cfg.model)
     part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
     p = memory.setup_for(cfg, sh, target="gpu")
     full = memory.trainer_memory(sh, part, "full", 0, p)
@@ -258,7 +259,7 @@ def test_cpu_phases_follow_what_the_process_holds(tmp_path):
     reader); loading holds the weights alone, and a pre-inference worker's load the fp32
     weights plus one cast copy of its largest tensor."""
     cfg = load_config(ROOT / "configs" / "demo.yaml", [f"run.dir={tmp_path}"])
-    sh = memory.model_shape(cfg.model)
+    sh = model_shape(cfg.model)
     part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
     p = memory.setup_for(cfg, sh, target="cpu", n_train=11773, n_val=1142)
     r = memory.trainer_memory(sh, part, "bcd", 2, p)

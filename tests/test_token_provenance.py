@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pipelines.train
 from core import faults
 from core.config import ConfigError
 from pipelines.cli import main
@@ -61,7 +62,7 @@ def _files(run: Path) -> dict[str, bytes]:
             if "tokens" not in p.relative_to(run).parts}  # fmt: skip
 
 
-def test_a_visit_resumed_over_a_retokenized_store_is_refused(killed, tmp_path, capsys):
+def test_a_visit_resumed_over_a_retokenized_store_is_refused(killed, tmp_path, capsys, monkeypatch):
     run, cfg = _copy(killed, tmp_path)
     spath = state_path(cfg, VisitSpec(block=0, mode=cfg.train.mode))
     old_fp = TokenStore(cfg.data.out_dir).fingerprint
@@ -80,6 +81,15 @@ def test_a_visit_resumed_over_a_retokenized_store_is_refused(killed, tmp_path, c
     assert old_fp[:12] in msg and new_fp[:12] in msg and "data.max_documents 8 -> 6" in msg
     assert "Re-tokenize back" in msg and f"delete {spath} to start the visit over" in msg
     assert _files(run) == before  # the state, the checkpoint and the metrics as they were
+
+    # data-parallel (Ray Train workers): the same refusal, in the driver before Ray starts
+    def no_ray(*_a, **_k):
+        raise AssertionError("Ray was started before the refusal")
+
+    monkeypatch.setattr(pipelines.train, "ensure_ray", no_ray)
+    with pytest.raises(ConfigError, match="token store changed under this visit"):
+        run_train(tiny_cfg(run, "data.max_documents=6", "train.workers=2"), 0, log=quiet)
+    assert _files(run) == before
     # the CLI: one line, exit 2, nothing written either
     sets = [a for s in [f"run.dir={run}", *TINY, "data.max_documents=6"] for a in ("--set", s)]
     assert main(["train", "--block", "0", "--config", "configs/demo.yaml", *sets]) == 2
