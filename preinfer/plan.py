@@ -185,6 +185,11 @@ def build_plan(cfg, o: PlanOptions) -> dict:
         "samples": {"train": n_tr, "val": n_val, "source": n_src},
     }  # fmt: skip
     plan["cache"] = _cache(cfg, o, sh, S, M, n_tr, n_val)
+    # fp32 block files; with train.keep_optimizer_state every trained block's state beside them
+    opt = o.optimizer or cfg.train.optimizer
+    kept = OPT_STATE[opt] * sh.params if cfg.train.keep_optimizer_state else 0
+    plan["checkpoint"] = {"weights": 4 * sh.params, "optimizer_state": kept,
+                          "total": 4 * sh.params + kept}  # fmt: skip
     plan["cost"] = _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val)
     return plan
 
@@ -314,6 +319,10 @@ def format_plan(plan: dict) -> str:
     else:
         out += ["", f"cache  {_gib(ca['per_1000_samples']['expected'])} GiB per 1000 samples; "
                 f"sample count {n['source']}"]  # fmt: skip
+    ck = plan["checkpoint"]
+    out += [f"checkpoint  {_gib(ck['total'])} GiB on disk at run.dir: {_gib(ck['weights'])} GiB "
+            f"weights + {_gib(ck['optimizer_state'])} GiB optimizer state "
+            "(train.keep_optimizer_state: each block's, once it has trained)"]  # fmt: skip
     price = "-" if c["price"] is None else f"${c['price']:.2f}"
     out += ["", f"cost   {c['steps_full']} full-training steps; {price}/card-hour; step times: "
             "measured (metrics.jsonl) where present, else FLOPs / (card peak x MFU "

@@ -138,12 +138,14 @@ def _tokens(cfg, n_train: int, n_val: int) -> None:
     w.commit({"fingerprint": "test", "vocab_size": 300})
 
 
+TINY = ["model.vocab_size=300", "model.hidden_size=32", "model.num_layers=4", "model.num_heads=4",
+        "model.max_positions=32", "data.seq_len=16", "partition.num_blocks=3",
+        "train.batch_size=4"]  # fmt: skip
+
+
 @pytest.fixture
 def tiny_run(tmp_path):
-    over = [f"run.dir={tmp_path}", "model.vocab_size=300", "model.hidden_size=32",
-            "model.num_layers=4", "model.num_heads=4", "model.max_positions=32",
-            "data.seq_len=16", "partition.num_blocks=3", "train.batch_size=4"]  # fmt: skip
-    cfg = load_config(None, over)
+    cfg = load_config(None, [f"run.dir={tmp_path}", *TINY])
     _tokens(cfg, 200, 20)
     return cfg
 
@@ -275,3 +277,32 @@ def test_cpu_phases_follow_what_the_process_holds(tmp_path):
     assert pre["basis"]["load"] == 4 * n + 2 * sh.max_tensor  # bf16 cache: a bf16 cast copy
     gpu = memory.trainer_memory(sh, part, "bcd", 2, memory.setup_for(cfg, sh, target="gpu"))
     assert gpu["phase"] != "load"
+
+
+def test_checkpoint_disk_matches_the_files_a_run_writes(tiny_run, capsys):
+    """The plan's checkpoint bytes against the files: init's fp32 block files, then the AdamW
+    state a visit commits beside its block (train.keep_optimizer_state, the default)."""
+    from pipelines.init import run_init
+    from preinfer.checkpoint import Checkpoint
+    from preinfer.visit import Visit, VisitSpec
+
+    got = plan.build_plan(tiny_run, plan.PlanOptions(card="cpu"))["checkpoint"]
+    ck = run_init(tiny_run, log=lambda *a: None)
+    blocks = sum(ck.block_file(b).stat().st_size for b in range(ck.num_blocks))
+    assert got["weights"] == pytest.approx(blocks, rel=0.05)
+    cfg = load_config(
+        None, [f"run.dir={tiny_run.run.dir}", *TINY, "train.max_steps=1", "train.eval_every=0"]
+    )
+    Visit(cfg, VisitSpec(block=1, mode="bcd-recompute"), device=torch.device("cpu")).run(
+        log=lambda *a: None
+    )
+    ck = Checkpoint.open(cfg.run.checkpoint)
+    optim = ck.path / ck.index["blocks"][1]["optim"]["file"]
+    share = ck.partition.block_params[1] / sum(ck.partition.block_params)
+    assert got["optimizer_state"] * share == pytest.approx(optim.stat().st_size, rel=0.05)
+    off = load_config(
+        None, [f"run.dir={tiny_run.run.dir}", *TINY, "train.keep_optimizer_state=false"]
+    )
+    assert plan.build_plan(off, plan.PlanOptions(card="cpu"))["checkpoint"]["optimizer_state"] == 0
+    assert plan.run_plan(tiny_run, _args("--card", "cpu")) == 0
+    assert "checkpoint" in capsys.readouterr().out
