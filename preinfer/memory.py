@@ -210,6 +210,12 @@ def _bytes(p: Setup) -> Precision:
     return PRECISIONS[p.precision]
 
 
+def optimizer_state_bytes(p: Setup) -> int:
+    """Bytes per trained parameter of the optimizer's own state (moments; SGD's momentum
+    buffer, none without momentum): in memory while a block trains, on disk when kept."""
+    return OPT_STATE[p.optimizer] if (p.optimizer != "sgd" or p.momentum) else 0
+
+
 def _sweep(sh, layers, trainable, head_norm_tr, matrix_tr, embed_tr, p: Setup):
     """Peak of saved activations + gradients through one forward/backward, and its split.
 
@@ -261,8 +267,7 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
         n_loaded += sh.head_matrix  # the tied matrix, read from block 0's file for the head
     n_active = sum(part.block_params[b] for b in active)
     W, G = pr.weight * n_loaded, pr.grad * n_active
-    state = OPT_STATE[p.optimizer] if (p.optimizer != "sgd" or p.momentum) else 0
-    opt = (state + pr.master) * n_active
+    opt = (optimizer_state_bytes(p) + pr.master) * n_active
     _, act, grads = _sweep(sh, layers, trainable, head_tr, matrix_tr, embed_tr, p)
     T = p.batch * p.seq  # eval: logits (a chunk's when fused) + log-softmax, nothing saved
     ev = 2 * (min(p.loss_chunk, T) if p.loss_chunk else T) * sh.vocab * 4

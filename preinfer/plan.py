@@ -18,6 +18,7 @@ from preinfer.memory import (
     OPT_STATE,
     PRECISIONS,
     GiB,
+    optimizer_state_bytes,
     preinfer_memory,
     setup_for,
     sharded_full_cards,
@@ -186,10 +187,9 @@ def build_plan(cfg, o: PlanOptions) -> dict:
     }  # fmt: skip
     plan["cache"] = _cache(cfg, o, sh, S, M, n_tr, n_val)
     # fp32 block files; with train.keep_optimizer_state every trained block's state beside them
-    opt = o.optimizer or cfg.train.optimizer
-    kept = OPT_STATE[opt] * sh.params if cfg.train.keep_optimizer_state else 0
-    plan["checkpoint"] = {"weights": 4 * sh.params, "optimizer_state": kept,
-                          "total": 4 * sh.params + kept}  # fmt: skip
+    weights = 4 * sh.params
+    kept = optimizer_state_bytes(p) * sh.params if cfg.train.keep_optimizer_state else 0
+    plan["checkpoint"] = {"weights": weights, "optimizer_state": kept, "total": weights + kept}
     plan["cost"] = _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val)
     return plan
 

@@ -304,5 +304,12 @@ def test_checkpoint_disk_matches_the_files_a_run_writes(tiny_run, capsys):
         None, [f"run.dir={tiny_run.run.dir}", *TINY, "train.keep_optimizer_state=false"]
     )
     assert plan.build_plan(off, plan.PlanOptions(card="cpu"))["checkpoint"]["optimizer_state"] == 0
+    plain_sgd = load_config(
+        None, [f"run.dir={tiny_run.run.dir}", *TINY, "train.optimizer=sgd", "train.momentum=0"]
+    )  # no momentum buffer: nothing to keep
+    assert (
+        plan.build_plan(plain_sgd, plan.PlanOptions(card="cpu"))["checkpoint"]["optimizer_state"]
+        == 0
+    )
     assert plan.run_plan(tiny_run, _args("--card", "cpu")) == 0
     assert "checkpoint" in capsys.readouterr().out
