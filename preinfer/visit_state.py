@@ -6,7 +6,8 @@ rerun of the same visit:
 
     {"version": STATE_VERSION, "start_hash": prefix hash of the checkpoint the visit started
      from, "tokens": token_record of the store it trains on, "step", "best", "bad", "loss",
-     "params": [one tensor per trainable parameter], "optim": the optimizer's state_dict}
+     "threads": torch's intra-op threads (a resume takes them: a CPU step's sums depend on
+     them), "params": [one tensor per trainable parameter], "optim": the optimizer's state_dict}
 
 A state of another checkpoint (start_hash) or of an older preinfer (version 1 kept no token
 record: whether its tokens are today's is unknowable) is stale: the visit starts over. A state

@@ -6,13 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from pipelines.bcd import run_bcd
 from preinfer.checkpoint import Checkpoint
 from tests.pipeline_fixtures import TINY, quiet
-
-pytestmark = pytest.mark.ray
 
 
 def hashes(cfg):

@@ -53,16 +53,29 @@ def forge(cdir, *, host="other_host", pid=4242, expires_in=-10.0, lease_s=1.0, k
     return p
 
 
+# long enough that a renewal thread starved by a busy machine still renews before expiry (it
+# renews every LEASE_S / 3); the tests wait for a renewal, never for a fixed time
+LEASE_S = 6.0
+
+
+def wait_renewed(p, first: dict, timeout: float = 120.0) -> dict:
+    """The lease record at `p` once its holder has renewed it past `first`."""
+    deadline = time.monotonic() + timeout
+    while (rec := json.loads(p.read_text()))["expires"] <= first["expires"]:
+        assert time.monotonic() < deadline, f"lease {p} not renewed in {timeout:.0f} s"
+        time.sleep(0.05)
+    return rec
+
+
 def test_an_open_cache_is_leased_renewed_and_spared_by_gc_until_closed(tmp_path):
     fp = build(tmp_path)
     said: list[str] = []
-    cache = open_cache(tmp_path, fp, lease_s=1.0)
+    cache = open_cache(tmp_path, fp, lease_s=LEASE_S)
     (p,) = lease_files(tmp_path / fp)
     first = json.loads(p.read_text())
     assert (first["kind"], first["pid"]) == ("read", os.getpid())
-    time.sleep(1.5)  # past the first lease_s: only a renewal keeps it live
-    renewed = json.loads(p.read_text())
-    assert renewed["expires"] > first["expires"] and renewed["expires"] > time.time()
+    renewed = wait_renewed(p, first)
+    assert renewed["expires"] > time.time()
     assert gc_caches(tmp_path, keep=set(), dry_run=False, grace_s=0, log=said.append) == []
     assert (
         is_complete(tmp_path, fp)
@@ -121,16 +134,17 @@ def test_a_reader_and_a_remover_never_both_win(tmp_path):
     # a remover's claim first: the reader waits; the claim goes (the remover backed off)
     fp = build(tmp_path)
     claim = lease.acquire(cdir, lease.GC_CLAIM_S, kind=lease.GC)
-    threading.Timer(0.5, claim.release).start()
     t0 = time.monotonic()
+    threading.Timer(0.5, claim.release).start()
     with open_cache(tmp_path, fp) as cache:
         assert time.monotonic() - t0 >= 0.4 and cache.num_samples == N
     # ...or the remover deleted it meanwhile: a clear CacheIncomplete, nothing re-created
     claim = lease.acquire(cdir, lease.GC_CLAIM_S, kind=lease.GC)
-    threading.Timer(0.5, remove_cache, (tmp_path, fp)).start()  # its decision was made
+    remover = threading.Timer(0.5, remove_cache, (tmp_path, fp))  # its decision was made
+    remover.start()
     with pytest.raises(CacheIncomplete):
         open_cache(tmp_path, fp)
-    time.sleep(0.2)
+    remover.join()
     assert not cdir.exists()
 
 
@@ -162,11 +176,9 @@ def test_leases_on_an_object_store(s3, s3_run):
     root = s3_run().cache.root
     fp = build(root)
     said: list[str] = []
-    with open_cache(root, fp, lease_s=1.0) as cache:
+    with open_cache(root, fp, lease_s=LEASE_S) as cache:
         (p,) = lease_files(f"{root}/{fp}")
-        first = json.loads(p.read_text())
-        time.sleep(1.5)
-        assert json.loads(p.read_text())["expires"] > first["expires"]  # renewed by a PUT
+        wait_renewed(p, json.loads(p.read_text()))  # renewed by a PUT
         assert gc_caches(root, keep=set(), dry_run=False, grace_s=0, log=said.append) == []
         assert is_complete(root, fp) and "in use" in said[0]
         assert cache.read_rows(0, N)[0].shape == (N, S, H)

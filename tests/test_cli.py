@@ -55,7 +55,6 @@ def test_config_prints_resolved_paths(capsys, tmp_path):
     assert code == 0 and cfg["run"]["checkpoint"] == str(tmp_path / "checkpoint")
 
 
-@pytest.mark.ray
 def test_cache_tools_verify_repair_and_gc(capsys, tiny_run):
     cfg = tiny_run()
     args = ["--config", "configs/demo.yaml", *sets(cfg.run.dir)]

@@ -145,11 +145,11 @@ def _category(res: dict) -> str:
     return f"other ({res['file']}: {res['where'][-300:]})"
 
 
-def _same_as_clean(run: Path, clean: Path) -> None:
+def _same_as_clean(run: Path, clean: Path, want: str = "") -> None:
     a, b = Checkpoint.open(clean / "checkpoint"), Checkpoint.open(run / "checkpoint")
     assert [b.block_hash(i) for i in range(b.num_blocks)] == [
         a.block_hash(i) for i in range(a.num_blocks)
-    ]
+    ], want
     b.verify()
     TokenStore(run / "tokens").verify()
     state = json.loads((run / "state.json").read_text())
@@ -192,7 +192,7 @@ def test_disk_full_in_every_stage_loses_nothing_and_a_rerun_completes(clean_run,
                 (mnt / "filler").unlink(missing_ok=True)
                 _remount(mnt, 256 << 20)  # space is back
                 assert _stages(run, extra=extra) == {"ok": True}, want
-                _same_as_clean(run, clean)
+                _same_as_clean(run, clean, want)
                 subprocess.run(["umount", str(mnt)], capture_output=True)
         finally:
             subprocess.run(["umount", str(mnt)], capture_output=True)

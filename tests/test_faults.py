@@ -3,9 +3,12 @@ the same command recovers. (Worker killed mid-shard: test_preinfer.py; driver ki
 test_preinfer.py; trainer killed mid-block: test_bcd.py; tampered checkpoint file:
 test_checkpoint.py.)"""
 
+import contextlib
 import errno
 import json
+import resource
 import shutil
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -24,9 +27,25 @@ from storage.reader import open_cache
 from tests.pipeline_fixtures import quiet
 
 
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int):
+    """Writes past `nbytes` in any file of this process fail with EFBIG while inside (the soft
+    RLIMIT_FSIZE only, so it can be raised back; SIGXFSZ ignored, as Python does)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
 @pytest.fixture
-def small_fs():
-    """A 1 MiB tmpfs (needs root and mount rights; skipped where the machine has neither)."""
+def small_fs(tmp_path):
+    """(directory, fill): fill() is a context inside which the next shard write fails with a
+    real OS error: ENOSPC on a 1 MiB tmpfs filled by someone else's file where this machine can
+    mount one (root), else EFBIG from a file-size limit, so the test never skips."""
     mnt = Path(f"/tmp/preinfer-tmpfs-{uuid.uuid4().hex[:8]}")
     mnt.mkdir()
     r = subprocess.run(
@@ -34,15 +53,28 @@ def small_fs():
     )
     if r.returncode != 0:
         mnt.rmdir()
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+        yield tmp_path, lambda: _file_size_limit(16 << 10)  # a shard is 32 KiB
+        return
+
+    @contextlib.contextmanager
+    def fill():
+        filler = mnt / "filler"
+        free = shutil.disk_usage(mnt).free
+        filler.write_bytes(b"\0" * (free - 100 * 1024))  # someone else fills the disk
+        try:
+            yield
+        finally:
+            filler.unlink()
+
     try:
-        yield mnt
+        yield mnt, fill
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
         shutil.rmtree(mnt, ignore_errors=True)
 
 
 def test_disk_full_mid_write_then_rerun_recovers(small_fs):
+    root, fill = small_fs
     N, S, H = 64, 16, 64  # fp32: 256 KiB of values in 8 shards of 32 KiB
     ccfg = CacheConfig(dtype="fp32", codec="none", shuffle="none", shard_mb=32 / 1024)
     rng = np.random.default_rng(0)
@@ -51,7 +83,7 @@ def test_disk_full_mid_write_then_rerun_recovers(small_fs):
 
     def writer():
         return CacheWriter.create(
-            small_fs,
+            root,
             "f" * 16,
             samples=samples,
             seq_len=S,
@@ -61,18 +93,16 @@ def test_disk_full_mid_write_then_rerun_recovers(small_fs):
         )
 
     w = writer()
-    filler = small_fs / "filler"
-    free = shutil.disk_usage(small_fs).free
-    filler.write_bytes(b"\0" * (free - 100 * 1024))  # someone else fills the disk mid-build
-    with pytest.raises(OSError) as e:
+    for i in w.missing_shards()[:2]:  # the build is under way...
+        w.write_shard(i, hidden[slice(*w.shard_range(i))])
+    with fill(), pytest.raises(OSError) as e:  # ...when the disk fills
         for i in w.missing_shards():
             a, b = w.shard_range(i)
             w.write_shard(i, hidden[a:b])
-    assert e.value.errno == errno.ENOSPC
+    assert e.value.errno in (errno.ENOSPC, errno.EFBIG)
     done = set(range(w.num_shards)) - set(w.missing_shards())
     assert 0 < len(done) < w.num_shards  # some shards committed, the rest not claimed
-    assert not (small_fs / ("f" * 16) / "manifest.json").exists()
-    filler.unlink()
+    assert not (root / ("f" * 16) / "manifest.json").exists()
     w = writer()  # the rerun: only the missing shards
     todo = w.missing_shards()
     assert set(todo) == set(range(w.num_shards)) - done
@@ -80,12 +110,11 @@ def test_disk_full_mid_write_then_rerun_recovers(small_fs):
         a, b = w.shard_range(i)
         w.write_shard(i, hidden[a:b])
     w.finalize()
-    cache = open_cache(small_fs, "f" * 16)
+    cache = open_cache(root, "f" * 16)
     assert cache.verify() == []
     assert torch.equal(cache.read_rows(0, N)[0], hidden)
 
 
-@pytest.mark.ray
 def test_corrupted_cache_is_repaired_by_rerunning_bcd(tiny_run):
     cfg = tiny_run("train.max_steps=2", "train.eval_every=0", "cache.keep=true")
     run_bcd(cfg, log=quiet)
@@ -106,7 +135,6 @@ def test_corrupted_cache_is_repaired_by_rerunning_bcd(tiny_run):
     assert open_cache(cfg.cache.root, fp).verify() == []
 
 
-@pytest.mark.ray
 def test_replaced_checkpoint_block_never_reads_the_old_cache(tiny_run):
     cfg = tiny_run()
     old = build_cache(cfg, 2, log=quiet)["fingerprints"]

@@ -230,3 +230,31 @@ def test_an_actor_killed_inside_a_shard_write_gives_a_clean_builds_bytes(
     assert not list(root.rglob("*.partial"))
     for fp in fps.values():
         assert_same_cache(clean.cache.root, root, fp)
+
+
+BUILD = (
+    "import sys; from pipelines.cache_build import build_cache; from tests.pipeline_fixtures "
+    "import tiny_cfg, quiet; build_cache(tiny_cfg(sys.argv[1], *sys.argv[2:]), 2, log=quiet)"
+)
+
+
+def test_a_bf16_build_killed_in_a_shard_write_resumes_in_another_process_to_a_clean_builds_bytes(
+    tiny_run, tmp_path
+):
+    """The path a bf16-native device takes (bf16 compute, bf16 cache; forced on any CPU): a
+    build of boundary 2 in process, killed inside its 3rd shard file write, rerun by a new
+    process, ends with the bytes a build never killed writes (another root, in this process)."""
+    over = ("cache.dtype=bf16", "preinfer.compute_dtype=bf16", "preinfer.executor=local", SHARDS)
+    cfg = tiny_run(*over)
+    args = [sys.executable, "-c", BUILD, str(cfg.run.dir), *over]
+    died = subprocess.run(args, cwd=REPO, env={**os.environ, KILL_POINT: "cache.shard_file@3"},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert died.returncode == 137, died.stderr[-2000:]
+    again = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    clean = tiny_run(*over, f"cache.root={tmp_path / 'clean'}")
+    fps = build_cache(clean, 2, log=quiet)["fingerprints"]
+    for fp in fps.values():
+        assert_same_cache(clean.cache.root, cfg.cache.root, fp)
+        manifest = json.loads((Path(cfg.cache.root) / fp / MANIFEST).read_text())
+        assert manifest["meta"]["compute_dtype"] == "bf16"

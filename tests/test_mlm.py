@@ -238,7 +238,6 @@ def test_loss_is_unshifted_over_masked_positions(bert_run):
     assert "objective: mlm" in said[0]
 
 
-@pytest.mark.ray
 def test_step_from_cache_equals_step_with_prefix_recomputed(bert_run, tmp_path):
     over = ["train.max_steps=1", "train.eval_every=0", "train.warmup_steps=0"]
     cached = bert_run(*over)

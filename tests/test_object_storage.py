@@ -323,7 +323,6 @@ def test_removing_a_cache_deletes_its_manifest_first(s3, s3_run, monkeypatch):
     assert keys(root) == []
 
 
-@pytest.mark.ray
 def test_cache_build_verify_train_from_s3(s3_run, capsys):
     """tokens + checkpoint + cache all on s3: build boundary 1 (Ray workers write their shards
     themselves), `preinfer cache verify` it, train block 1 from it, detect a flipped byte."""
@@ -385,7 +384,6 @@ def s3_run_sets(cfg) -> list[str]:
     ]
 
 
-@pytest.mark.ray
 def test_bcd_rotation_on_s3_drops_old_caches_and_masks_credentials(s3_run):
     """`preinfer bcd` with tokens, checkpoint and caches on s3: the rotation builds and
     refreshes there, drops the caches it no longer needs (cache.keep=false), and the run's

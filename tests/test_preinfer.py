@@ -1,6 +1,8 @@
-"""Pre-inference on Ray: parity with the model's own forward, refresh == build, faults, resume."""
+"""Pre-inference (in process; on Ray actors where marked `ray`): parity with the model's own
+forward, refresh == build, faults, resume."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +17,6 @@ from preinfer.checkpoint import Checkpoint
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet
-
-pytestmark = pytest.mark.ray
 
 
 def reference(cfg, block, split, dtype, round_to=None):
@@ -108,6 +108,25 @@ def test_auto_compute_dtype_follows_the_hardware(monkeypatch):
         device.compute_dtype("fp8", "bf16")
 
 
+def test_native_bf16_detection_matches_the_cpus_own_flags():
+    """The real detection (no patch): native bf16 iff the kernel lists a bf16 matmul flag for
+    this CPU (x86: avx512_bf16 / amx_bf16; Arm: bf16 / svebf16), and auto follows it."""
+    from preinfer import device
+
+    text = Path("/proc/cpuinfo").read_text()
+    flags = set()
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags |= set(val.split())
+    assert flags, "no CPU flags in /proc/cpuinfo"
+    want = bool(flags & {"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+    native, name = device.cpu_native_bf16()
+    assert native == want, (name, sorted(flags & {"avx512_bf16", "amx_bf16", "bf16", "svebf16"}))
+    choice = device.compute_dtype("auto", "bf16", "cpu")
+    assert (choice.compute, choice.round_to) == (("bf16", None) if want else ("fp32", "bf16"))
+
+
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
 def test_bf16_refresh_equals_build_bit_exact(tiny_run, tmp_path, compute):
     cfg = tiny_run("cache.dtype=bf16", f"preinfer.compute_dtype={compute}")
@@ -143,6 +162,7 @@ def test_refresh_equals_build_bit_exact(tiny_run, tmp_path):
         assert torch.equal(a, b), split
 
 
+@pytest.mark.ray
 def test_actor_dying_on_first_shard_gives_identical_cache(tiny_run, tmp_path, monkeypatch):
     clean = tiny_run(f"cache.root={tmp_path / 'clean'}")
     build_cache(clean, 1, log=quiet)
@@ -245,6 +265,7 @@ def _worker_run(cfg, block, first):
     return {p.split: p.fingerprint for p in plans}
 
 
+@pytest.mark.ray
 def test_worker_call_of_several_shards_equals_ray_build(tiny_run, tmp_path, monkeypatch):
     from pipelines.cache_build import shards_per_task
     from storage.cache import CacheWriter

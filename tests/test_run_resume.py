@@ -127,3 +127,74 @@ def test_a_killed_demo_resumes_to_the_weights_of_an_uninterrupted_one(tiny_base,
     out = killed / "export"
     assert f"AutoModelForCausalLM.from_pretrained({str(out)!r})" in r.stdout
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+
+# one block-0 visit in a fresh interpreter (as a user's command runs), its visit state saved
+# every 2 steps; the visit's weights are read from the checkpoint afterwards
+_TRAIN0 = (
+    "import sys; from pipelines.train import run_train; from tests.pipeline_fixtures import "
+    "tiny_cfg, quiet; run_train(tiny_cfg(sys.argv[1], *sys.argv[2:]), 0, log=quiet)"
+)
+
+
+def _train0(run: Path, *extra: str, env: dict | None = None) -> int:
+    r = subprocess.run([sys.executable, "-c", _TRAIN0, str(run), *extra], cwd=ROOT,
+                       env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode in (0, 137), r.stderr[-3000:]
+    return r.returncode
+
+
+def test_dropout_is_seeded_and_a_resumed_visit_equals_an_uninterrupted_one(tiny_base, tmp_path):
+    """model.dropout > 0: train.seed fixes the dropout masks, so two runs give the same bytes,
+    and a visit killed before step 3 (its state saved at step 2) resumes to them, also where
+    the resuming process starts with another torch thread count (it takes the visit's own)."""
+    drop = ("model.dropout=0.2", "train.max_steps=4", "train.checkpoint_every=2")
+    runs = {}
+    for name in ("a", "b", "killed", "no_dropout"):
+        runs[name] = tmp_path / name
+        shutil.copytree(tiny_base, runs[name])
+        cfg = tiny_cfg(runs[name], *drop[: name != "no_dropout"])  # the model records dropout
+        init_checkpoint(cfg.model, 3, cfg.run.checkpoint, force=True)
+    for name in ("a", "b"):
+        assert _train0(runs[name], *drop) == 0
+    assert _train0(runs["killed"], *drop, env={"PREINFER_TEST_KILL_AT": "0:0:3"}) == 137
+    assert _train0(runs["killed"], *drop, env={"OMP_NUM_THREADS": "1"}) == 0
+    assert _train0(runs["no_dropout"], *drop[1:]) == 0
+    want = hashes(runs["a"] / "checkpoint")
+    assert hashes(runs["b"] / "checkpoint") == want
+    assert hashes(runs["killed"] / "checkpoint") == want
+    assert hashes(runs["no_dropout"] / "checkpoint")[0] != want[0]  # dropout was on
+
+
+_BCD = (
+    "import sys; from pipelines.bcd import run_bcd; from tests.pipeline_fixtures import "
+    "tiny_cfg, quiet; run_bcd(tiny_cfg(sys.argv[1], *sys.argv[2:]), log=quiet)"
+)
+
+
+def test_the_bf16_path_killed_mid_visit_resumes_to_an_uninterrupted_runs_bytes(tiny_base, tmp_path):
+    """The path a bf16-native device takes (bf16 caches computed in bf16, training under bf16
+    autocast; forced on any CPU): a rotation killed inside block 1's visit (from its cache),
+    rerun by a new process, commits the bytes of one never killed."""
+    bf16 = ("cache.dtype=bf16", "preinfer.compute_dtype=bf16", "run.precision=bf16",
+            "preinfer.executor=local", "train.max_steps=4", "train.checkpoint_every=2")  # fmt: skip
+    runs = {name: tmp_path / name for name in ("clean", "killed")}
+    for run in runs.values():
+        shutil.copytree(tiny_base, run)
+
+    def bcd(run: Path, env: dict | None = None) -> int:
+        r = subprocess.run([sys.executable, "-c", _BCD, str(run), *bf16], cwd=ROOT,
+                           env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+        assert r.returncode in (0, 137), r.stderr[-3000:]
+        return r.returncode
+
+    assert bcd(runs["clean"]) == 0
+    assert bcd(runs["killed"], {"PREINFER_TEST_KILL_AT": "0:1:3"}) == 137
+    assert json.loads((runs["killed"] / "state.json").read_text())["pending"]["key"] == "r0-b1"
+    assert bcd(runs["killed"]) == 0
+    assert hashes(runs["killed"] / "checkpoint") == hashes(runs["clean"] / "checkpoint")
+    assert hashes(runs["clean"] / "checkpoint") != hashes(tiny_base / "checkpoint")
+    visits = [json.loads(x) for x in (runs["killed"] / "metrics.jsonl").read_text().splitlines()]
+    assert any(v.get("event") == "visit" and v["block"] == 1 for v in visits)

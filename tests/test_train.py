@@ -4,13 +4,18 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from core.config import ConfigError
 from pipelines.cache_build import build_cache
 from preinfer.checkpoint import Checkpoint
+from preinfer.device import torch_dtype
+from preinfer.prefix import forward_prefix
 from preinfer.visit import TrainingDiverged, Visit, VisitHooks, VisitSpec, state_path
+from storage.reader import open_cache
+from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet
 
 
@@ -31,14 +36,25 @@ def one_step(cfg, block, mode, fps=None):
     return Visit(cfg, spec, device=torch.device("cpu")).run(log=quiet)
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_step_from_cache_equals_step_with_prefix_recomputed(tiny_run, tmp_path, optimizer):
+# (optimizer, cache dtype, the prefix's compute dtype, training precision): fp32, and the path
+# a bf16-native device takes (CUDA, AVX512-BF16/AMX CPUs), forced here on any CPU
+STEP_PATHS = [("adamw", "fp32", "fp32", "fp32"), ("sgd", "fp32", "fp32", "fp32"),
+              ("adamw", "bf16", "bf16", "bf16")]  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer, dtype, compute, precision", STEP_PATHS)
+def test_step_from_cache_equals_step_with_prefix_recomputed(tiny_run, tmp_path, optimizer, dtype,
+                                                            compute, precision):  # fmt: skip
+    """The same step, once from the cache and once with the prefix rerun (bcd-recompute): the
+    prefix computes as the build does, so the hidden entering block 1 and the step are equal."""
     over = [
         "train.max_steps=1",
         "train.eval_every=0",
         f"train.optimizer={optimizer}",
         "train.warmup_steps=0",
+        f"cache.dtype={dtype}",
+        f"preinfer.compute_dtype={compute}",
+        f"run.precision={precision}",
     ]
     cached = tiny_run(*over)
     fps = build_cache(cached, 1, log=quiet)["fingerprints"]
@@ -59,9 +75,24 @@ def test_step_from_cache_equals_step_with_prefix_recomputed(tiny_run, tmp_path, 
     after_recompute = block_tensors(recompute, 1)
     changed = 0
     for name, t in after_cached.items():
-        torch.testing.assert_close(t, after_recompute[name], rtol=1e-5, atol=1e-7)
+        assert torch.equal(t, after_recompute[name]), name
         changed += not torch.equal(t, before[name])
     assert changed > 0, "the step changed nothing"
+    # the recomputed prefix is the cache's rows, bit for bit (in training batches of 8 rows,
+    # where the build computed micro-batches of 32)
+    visit = Visit(recompute, VisitSpec(block=1, mode="bcd-recompute", shuffle=False),
+                  device=torch.device("cpu"))  # fmt: skip
+    cache = open_cache(cached.cache.root, fps["train"])
+    hidden, _, sids = cache.read_rows(0, 8)
+    sids = np.asarray(sids)
+    rows = np.empty((8, recompute.data.seq_len + 1), np.int32)
+    rows[np.argsort(sids)] = TokenStore(recompute.data.out_dir).read_indices_with_labels(
+        "train", np.sort(sids))[0]  # fmt: skip
+    _, adapter, choice = visit.prefix
+    x = forward_prefix(adapter, visit.part, torch.from_numpy(rows[:, :-1]).long(), 0, 1,
+                       dtype=torch_dtype(choice.compute),
+                       round_to=choice.round_to and torch_dtype(choice.round_to))  # fmt: skip
+    assert torch.equal(x.float(), hidden)
 
 
 def test_frozen_blocks_byte_identical_and_tied_embedding_untouched(tiny_run):
