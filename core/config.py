@@ -195,6 +195,21 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+NULLS = ("null", "Null", "NULL", "~")
+"""How an override spells null on purpose (any other text that YAML reads as null is refused)."""
+
+
+def _hashes(value: Any) -> int:
+    """'#' characters in the strings of a parsed YAML value (a comment's are gone)."""
+    if isinstance(value, str):
+        return value.count("#")
+    if isinstance(value, dict):
+        return sum(_hashes(k) + _hashes(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_hashes(v) for v in value)
+    return 0
+
+
 def apply_override(data: dict, spec: str) -> None:
     """Apply one `section.key=value` override to nested dict `data` (value parsed as YAML)."""
     if "=" not in spec:
@@ -209,6 +224,13 @@ def apply_override(data: dict, spec: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError:
         value = raw
+    if raw.strip() not in ("", *NULLS) and (value is None or _hashes(value) < raw.count("#")):
+        what = "null" if value is None else repr(value)
+        raise ConfigError(
+            f"override '{spec}' reads as {key}={what}: in YAML a '#' at the start or after a "
+            f"space begins a comment; quote the value, e.g. --set '{key}=\"{raw}\"' (in double "
+            "quotes \\n is a newline), or write null for null"
+        )
     node = data
     for p in parts[:-1]:
         child = node.setdefault(p, {})

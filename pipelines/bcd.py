@@ -42,6 +42,7 @@ from preinfer.guards import (
     warn_trainer_memory,
 )
 from preinfer.metrics import append_metrics, last_visit_summary
+from preinfer.provenance import check_settings
 from preinfer.run_lock import run_lock
 from preinfer.visit import VisitHooks, finish_committed
 from storage import fs
@@ -179,6 +180,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     # refused here, in the driver, before any state is written or a worker starts
     store, ckpt = TokenStore(cfg.data.out_dir), Checkpoint.open(cfg.run.checkpoint)
     check_vocab(ckpt, store)
+    check_settings(cfg, "bcd", tokens=store.manifest, checkpoint=ckpt.index)
     if state.get("tokens"):
         check_same_tokens(state["tokens"], store, str(_state_path(cfg)))
     else:  # the rotation starts (or a state.json from before the record): tokens from now on

@@ -40,6 +40,7 @@ from preinfer import hostmem
 from preinfer.cache_identity import CachePlan, Sources, compute_choice, plan_caches
 from preinfer.config import Config
 from preinfer.guards import check_disk_for_cache, check_vocab
+from preinfer.provenance import check_settings
 from storage.cache import CacheWriter
 from storage.config import LOSSY_DTYPES
 from storage.layout import is_complete
@@ -189,6 +190,7 @@ def build_cache(
     """
     t0 = time.perf_counter()
     src = src or Sources.open(cfg)
+    _check_inputs(cfg, src, "cache build")
     _guard_disk(cfg, block, round_, src)
     plans = plan_caches(cfg, block, round_, verify=verify, src=src)
     todo = sum(len(p.missing) for p in plans)
@@ -220,6 +222,7 @@ def refresh_cache(
             f"`preinfer cache build --block {block}` (the rotation builds lossy caches from tokens)"
         )
     src = src or Sources.open(cfg)
+    _check_inputs(cfg, src, "cache refresh")
     prev = plan_caches(cfg, block - 1, round_, create=False, src=src)
     stale = [p for p in prev if not is_complete(cfg.cache.root, p.fingerprint)]
     if stale:
@@ -242,13 +245,19 @@ def refresh_cache(
     return {"action": "refreshed", **_result(plans), **stats}
 
 
+def _check_inputs(cfg: Config, src: Sources, stage: str) -> None:
+    """Refuse, in the driver before anything is written, token ids that would index past the
+    checkpoint's embedding, and a token store or checkpoint made with other settings than
+    the config asks for."""
+    check_vocab(src.ckpt, src.store)
+    check_settings(cfg, stage, tokens=src.store.manifest, checkpoint=src.ckpt.index)
+
+
 def _guard_disk(cfg: Config, block: int, round_: int, src: Sources) -> None:
     """Refuse before anything is written when what is left of the boundary's caches cannot
-    fit the free disk, or when the token ids would index past the checkpoint's embedding (in
-    the driver). Committed shards are credited: a build resumed after a full disk needs room
-    for the rest only (its manifest alone, once every shard is in)."""
+    fit the free disk. Committed shards are credited: a build resumed after a full disk needs
+    room for the rest only (its manifest alone, once every shard is in)."""
 
-    check_vocab(src.ckpt, src.store)
     plans = plan_caches(cfg, block, round_, create=False, src=src)
     if not all(p.complete for p in plans):
         check_disk_for_cache(cfg, block, plans=plans)

@@ -14,7 +14,7 @@ from preinfer.config import Config
 from preinfer.device import autocast, resolve_device
 from preinfer.loss import evaluate_tokens
 from preinfer.metrics import append_metrics
-from preinfer.tokenization import check_store_objective
+from preinfer.provenance import check_settings
 from storage.tokens import TokenStore
 
 # (objective, store has labels) -> the positions the loss is a mean over
@@ -28,8 +28,10 @@ NOTE = {
 
 def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print) -> dict:
     store = TokenStore(cfg.data.out_dir)
-    check_store_objective(cfg.data, store)  # a bert scored on next tokens would mean nothing
     ckpt = Checkpoint.open(cfg.run.checkpoint)
+    # the store and checkpoint this config asks for (a bert scored on next tokens, say, would
+    # mean nothing)
+    check_settings(cfg, "eval", tokens=store.manifest, checkpoint=ckpt.index)
     device = resolve_device(cfg.run.device)
     model, adapter = ckpt.load(range(ckpt.num_blocks), device=device)
     model.eval()

@@ -1,19 +1,36 @@
 """Stage `preinfer export`: the checkpoint as it is now, plus the token store's tokenizer, as a
 Hugging Face transformers directory (config.json, model.safetensors, tokenizer files and, for
-causal LMs, generation_config.json). The writing is preinfer/export.py's."""
+causal LMs, generation_config.json). A causal LM fine-tuned from the user's HF directories
+(data.tokenizer, model.checkpoint) keeps their tokenizer files, special-token ids and generation
+config. The writing is preinfer/export.py's."""
 
 from __future__ import annotations
 
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.export import check_out_dir, export_hf
+from preinfer.modeling import resolve_checkpoint_path, resolve_package_path
+from preinfer.provenance import check_settings
+from preinfer.tokenization import tokenizer_file
 from storage import fs
+from storage.tokens import TokenStore
 
 
 def run_export(cfg: Config, out: str, force: bool = False, log=print) -> dict:
     check_out_dir(out, force)  # before reading anything
     ckpt = Checkpoint.open(cfg.run.checkpoint)
-    res = export_hf(ckpt, fs.path(cfg.data.out_dir) / "tokenizer.json", out, force=force)
+    tokens = TokenStore(cfg.data.out_dir).manifest if TokenStore.exists(cfg.data.out_dir) else None
+    check_settings(cfg, "export", tokens=tokens, checkpoint=ckpt.index)
+    hf_tokenizer = hf_model = None  # the user's HF directories: a causal LM's export keeps them
+    if cfg.model.arch != "bert":
+        if cfg.data.tokenizer != "bpe":
+            tokenizer_file(cfg.data.tokenizer)  # refuses a data.tokenizer that is gone
+            given = resolve_package_path(cfg.data.tokenizer, "data.tokenizer")
+            hf_tokenizer = given if given.is_dir() else None
+        if cfg.model.checkpoint is not None:
+            hf_model = resolve_checkpoint_path(cfg.model.checkpoint)
+    res = export_hf(ckpt, fs.path(cfg.data.out_dir) / "tokenizer.json", out, force=force,
+                    hf_tokenizer=hf_tokenizer, hf_model=hf_model)  # fmt: skip
     log(
         f"export: {res['out']}: {res['model_class']} ({res['num_params']:,} params) + tokenizer; "
         f"load it with transformers.{res['auto_class']}.from_pretrained and "

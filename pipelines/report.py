@@ -32,6 +32,7 @@ from pipelines.report_plots import (
 )
 from pipelines.report_summary import _f, write_summary
 from preinfer.config import Config
+from preinfer.provenance import check_settings
 
 PLOTS = ("progress", "loss", "val_ppl", "cache_timeline", "throughput")
 
@@ -42,6 +43,8 @@ def run_report(cfg: Config, out_dir: str | Path | None = None, log=print) -> dic
     Returns {"dir", "files": {name: path}, "final_ppl", "final_val_loss", "visits", "caches",
     "evals", "timings", ...} (the numbers the summary shows)."""
     data = collect(cfg)
+    rec = {k: v if isinstance(v, dict) else None for k, v in data["recorded"].items()}
+    check_settings(cfg, "report", tokens=rec["tokens"], checkpoint=rec["checkpoint"])
     out = Path(out_dir) if out_dir is not None else Path(cfg.run.dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots = {name: out / f"{name}.png" for name in PLOTS}

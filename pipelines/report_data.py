@@ -245,6 +245,8 @@ def collect(cfg: Config) -> dict:
         "run_config": _recorded_config(cfg),
         "model_config": (ckpt or {}).get("model_config"),
         "data_config": (tokens.get("config") or {}).get("data"),
+        # what the token store and the checkpoint record (the report refuses other settings)
+        "recorded": {"tokens": tokens or None, "checkpoint": ckpt},
         "num_step_records": sum(len(v["step_records"]) for v in visits),
         "progress": progress,
     }

@@ -5,6 +5,12 @@ layout, for masked-LM data the mask rule and seed) give the same fingerprint, an
 a complete store with that fingerprint does nothing (unless a shard fails its checksum: then
 the store is written again).
 
+Rows are never lost silently: pass 1 counts every row it cannot use, by reason
+(preinfer/corpus.py RowStats), and refuses more than 1% of them unless data.on_bad_rows=skip,
+before anything is written; the counts go to the log and the manifest's "rows". A failed tokenize leaves nothing
+behind (its temp store, and the directories it made), and of two writing one store at once the
+second to commit is refused (storage/tokens.py).
+
 Streaming: the corpus is read in passes (hash and count; train the BPE; encode and pack), never
 held whole; what stays in memory is one batch of documents, a row being packed and at most a
 shard of rows per split (the writer's buffers).
@@ -12,18 +18,22 @@ shard of rows per split (the writer's buffers).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
+import json
 import time
 
 import tokenizers
 from tqdm import tqdm
 
+from core.config import ConfigError
 from core.fingerprint import chain, file_hash
 from preinfer.config import Config
+from preinfer.corpus import CorpusError, RowStats
+from preinfer.modeling import resolve_checkpoint_path
 from preinfer.packing import MASK_REPLACE, MlmPacker, Packer, PairPacker
 from preinfer.tokenization import (
-    CorpusError,
     DataConfig,
     eos_id,
     is_val,
@@ -34,7 +44,7 @@ from preinfer.tokenization import (
 )
 from storage import fs
 from storage.atomic import as_os_error
-from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter
+from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter, manifest_bytes
 
 ENCODE_BATCH = 64  # documents per tokenizer call (encode_batch runs them on its threads)
 
@@ -46,13 +56,46 @@ def tokenizer_spec(cfg: Config) -> dict:
     return {"kind": "file", "sha256": file_hash(tokenizer_file(d.tokenizer))}
 
 
-def _scan(d: DataConfig) -> tuple[str, dict[str, int]]:
-    """Pass 1: (corpus hash, documents per split)."""
-    corpus, counts = hashlib.sha256(), {"train": 0, "val": 0}
-    for doc in iter_documents(d):
+def model_record(cfg: Config) -> dict:
+    """The manifest's "model": the config's model settings, or where model.checkpoint is set,
+    the checkpoint's own shape as its config.json gives it (the config's model defaults do not
+    apply to it), with that file's path and sha256. tie_word_embeddings: None where the file
+    does not say (the model class's default holds)."""
+    model = cfg.to_dict()["model"]
+    if cfg.model.checkpoint is None:
+        return model
+    path = resolve_checkpoint_path(cfg.model.checkpoint) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(
+            f"model.checkpoint: {path} is not JSON ({e}); fix or re-save it"
+        ) from None
+
+    def first(*keys):  # GPT-2 names some fields its own way (n_embd, n_layer)
+        return next((hf[k] for k in keys if k in hf), None)
+
+    return {
+        "arch": cfg.model.arch,
+        "checkpoint": cfg.model.checkpoint,
+        "model_type": hf.get("model_type"),
+        "architectures": hf.get("architectures"),
+        "hidden_size": first("hidden_size", "n_embd"),
+        "num_layers": first("num_hidden_layers", "n_layer"),
+        "vocab_size": hf.get("vocab_size"),
+        "tie_word_embeddings": hf.get("tie_word_embeddings"),
+        "config_json": str(path.absolute()),
+        "config_sha256": file_hash(path),
+    }
+
+
+def _scan(d: DataConfig) -> tuple[str, dict[str, int], RowStats]:
+    """Pass 1: (corpus hash, documents per split, what became of the rows read)."""
+    corpus, counts, rows = hashlib.sha256(), {"train": 0, "val": 0}, RowStats()
+    for doc in iter_documents(d, rows):
         corpus.update(hashlib.sha256(doc.key()).digest())
         counts["val" if is_val(doc, d) else "train"] += 1
-    return corpus.hexdigest(), counts
+    return corpus.hexdigest(), counts, rows
 
 
 def tokens_fingerprint(cfg: Config, corpus: str) -> str:
@@ -100,14 +143,18 @@ def _train_texts(d: DataConfig):
 def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
     d = cfg.data
     t0 = time.perf_counter()
-    corpus, docs = _scan(d)
+    out = fs.path(d.out_dir)  # a Path, or a RemotePath (s3://...)
+    found = manifest_bytes(out)  # the store a commit may replace: another one then is refused
+    corpus, docs, rows = _scan(d)
+    rows.check(d.on_bad_rows)  # too many unusable rows: refused before anything is written
+    for line in rows.lines():
+        log(f"tokenize: {line}")
     n_docs = sum(docs.values())
     if not n_docs:
         raise CorpusError(
             f"data.source {d.source!r} holds no non-empty documents; give a corpus with text"
         )
     fingerprint = tokens_fingerprint(cfg, corpus)
-    out = fs.path(d.out_dir)  # a Path, or a RemotePath (s3://...)
     replace = force
     if TokenStore.exists(out):
         store = TokenStore(out)
@@ -146,11 +193,18 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
             f"the tokenizer has {vocab} tokens but model.vocab_size is {cfg.model.vocab_size}; "
             "raise model.vocab_size or lower data.vocab_size"
         )
+    model = model_record(cfg)  # before anything is written: a model.checkpoint must be readable
 
+    # the directories this tokenize makes (deepest first): removed again if it fails
+    made = (
+        [] if fs.is_url(out) else [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     labels = d.pairs or d.mlm  # stored: prompt masks, or mlm targets (unshifted)
-    writer = TokenStoreWriter(out, seq_len=d.seq_len, shard_rows=d.shard_rows, labels=labels)
+    writer = None
     try:
+        writer = TokenStoreWriter(out, seq_len=d.seq_len, shard_rows=d.shard_rows, labels=labels,
+                                  over=found)  # fmt: skip
         tok_tmp = writer.tmp / "tokenizer.json"
         try:
             tok.save(str(tok_tmp))
@@ -166,6 +220,8 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
                 "hash differently); nothing was written: rerun when the corpus is settled"
             )
         for name in docs:
+            if d.pairs and writer.rows(name) == 0:
+                _all_too_long(packers[name].stats, name, d)
             if writer.rows(name) == 0:
                 raise CorpusError(
                     f"the {name} split has fewer than S+1 = {d.seq_len + 1} tokens; "
@@ -186,19 +242,24 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         store = writer.commit(
             {
                 "fingerprint": fingerprint,
-                "config": cfg.to_dict(),
+                "config": {**cfg.to_dict(), "model": model},
                 "documents": docs,
                 "tokens_in_documents": n_tokens,
                 "vocab_size": vocab,
                 "eos_id": eos,
                 "objective": d.objective,
                 "tokenizer_sha256": file_hash(tok_tmp),
+                "rows": rows.to_dict(),
                 **extra,
             },
             replace=replace,
         )
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
+        for p in made:  # only those still empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
         raise
     dt = time.perf_counter() - t0
     c = store.manifest["counts"]
@@ -290,6 +351,19 @@ def _encode_and_pack(
         for split, p in packers.items():
             writer.add(split, *p.finish())
     return n_tokens, packers, corpus.hexdigest()
+
+
+def _all_too_long(stats: dict, split: str, d: DataConfig) -> None:
+    """Refuse a split whose every pair was dropped for its length, saying so."""
+    n, lo, hi = stats["pairs"], stats["shortest"], stats["longest"]
+    if n and stats["dropped_too_long"] == n:
+        keep = f"{hi - 1} keeps every pair" + (f", {lo - 1} the shortest" if lo < hi else "")
+        raise CorpusError(
+            f"all {n} {split} pairs are longer than S+1 = {d.seq_len + 1} tokens (prompt + "
+            f"response + EOS; the longest is {hi} tokens, the shortest {lo}), so all were "
+            f"dropped and nothing was written; raise data.seq_len ({keep}; model.max_positions "
+            "with it), or set data.split_pairs=true"
+        )
 
 
 def _log_pairs(stats: dict, d: DataConfig, log) -> None:

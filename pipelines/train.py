@@ -32,7 +32,7 @@ from preinfer.config import Config
 from preinfer.device import resolve_device
 from preinfer.guards import check_vocab, warn_trainer_memory
 from preinfer.metrics import last_visit_summary
-from preinfer.tokenization import check_store_objective
+from preinfer.provenance import check_settings
 from preinfer.visit import Visit, VisitHooks, VisitSpec, state_path
 from preinfer.visit_state import load_state
 from storage.tokens import TokenStore
@@ -145,13 +145,14 @@ def run_train(
     mode = mode or cfg.train.mode
     # pre-flight in the driver: bad input fails here with one clear line, not inside a worker
     store = TokenStore(cfg.data.out_dir)
-    check_store_objective(cfg.data, store)  # bert: masked-LM rows, never next-token ones
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     if not 0 <= block < ckpt.num_blocks:
         raise ConfigError(
             f"--block {block} is out of range: the checkpoint has blocks 0..{ckpt.num_blocks - 1}"
         )
     check_vocab(ckpt, store)  # ids past the embedding: refused here
+    # what the config asks is what runs: the store's data and the checkpoint's model settings
+    check_settings(cfg, "train", tokens=store.manifest, checkpoint=ckpt.index)
     spec = visit_spec(cfg, block, round_, mode, caches)
     if memory_check:
         try:

@@ -78,8 +78,9 @@ class PairPacker:
         self.split_pairs = split_pairs
         self.ids = np.zeros(0, dtype=np.int32)  # the row being filled (< S+1 ids)
         self.target = _EMPTY_BOOL
+        # shortest / longest: tokens of a pair (prompt + response + EOS), 0 before the first
         self.stats = {"pairs": 0, "kept": 0, "dropped_too_long": 0, "rows_without_targets": 0,
-                      "pad_tokens": 0}  # fmt: skip
+                      "pad_tokens": 0, "shortest": 0, "longest": 0}  # fmt: skip
 
     def _rows(self, ids: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keep = target[:, 1:].any(axis=1)  # a row without targets trains nothing
@@ -105,6 +106,9 @@ class PairPacker:
         pair = np.concatenate([p, r, self.eos])
         target = np.concatenate([np.zeros(len(p), bool), np.ones(len(r) + 1, bool)])
         self.stats["pairs"] += 1
+        st = self.stats
+        st["shortest"] = len(pair) if st["pairs"] == 1 else min(st["shortest"], len(pair))
+        st["longest"] = max(st["longest"], len(pair))
         if self.split_pairs:
             self.stats["kept"] += 1
             buf = np.concatenate([self.ids, pair])

@@ -1,12 +1,10 @@
-"""Corpus reading, tokenizer training/loading and packing into fixed-length samples."""
+"""The data config, the corpus in document order (files and rows: preinfer/corpus.py), the
+train/val split, and tokenizer training/loading."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import os
-import string
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from core.config import ConfigError
+from preinfer.corpus import CorpusError, Document, RowStats, iter_local, iter_rows, template_fields
 from preinfer.modeling import resolve_package_path
 
 
@@ -32,7 +31,7 @@ class DataConfig:
     prompt_template: str | None = None
     """Prompt built from columns, e.g. '{instruction}\\n{input}\\n### Response:\\n' (null = the prompt_field column as is; a null value reads as '')."""
     response_field: str = "response"
-    """Column holding the response (format prompt_response)."""
+    """Column holding the response (format prompt_response); a row whose response is missing, null, not a string or empty is a bad row."""
     split_pairs: bool = False
     """prompt_response: cut the stream of pairs every S+1 tokens like text (a pair may span rows); false = whole pairs per row, padded, a pair longer than S+1 tokens dropped."""
     hf_split: str = "train"
@@ -57,6 +56,8 @@ class DataConfig:
     """mlm: fraction of a row's maskable (non-special) positions made targets: 80% [MASK], 10% a random token, 10% kept."""
     mask_seed: int = 0
     """mlm: seed of the static masks (in the token store's fingerprint)."""
+    on_bad_rows: Literal["error", "skip"] = "error"
+    """Rows lacking a field, or with a null, non-string or (pairs) empty one: error = refuse when over 1% of rows are bad (fewer are skipped); skip = skip them all. Counted in the log and the manifest either way."""
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -73,6 +74,11 @@ class DataConfig:
             raise ConfigError(f"data.shard_rows must be >= 1, got {self.shard_rows}")
         if self.prompt_template is not None:
             template_fields(self.prompt_template)  # a ConfigError if it is not a valid template
+        if self.split_pairs and not self.pairs:
+            raise ConfigError(
+                "data.split_pairs=true cuts prompt/response pairs, but data.format is text; "
+                "set data.format=prompt_response, or drop data.split_pairs"
+            )
         if not 0.0 < self.mask_fraction < 1.0:
             raise ConfigError(f"data.mask_fraction must be in (0, 1), got {self.mask_fraction}")
         if self.mask_seed < 0:
@@ -113,61 +119,23 @@ def resolve_objective(data: DataConfig, arch: str) -> None:
         )
 
 
-@functools.cache
-def _fields(template: str) -> tuple[str, ...]:
-    return tuple(template_fields(template))
-
-
-def template_fields(template: str) -> list[str]:
-    """Column names a prompt_template refers to (`{name}`), in order of appearance."""
-    try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as e:
-        raise ConfigError(
-            f"data.prompt_template is not a valid template ({e}); write columns as {{name}} and "
-            "literal braces as {{{{ and }}}}"
-        ) from None
-    bad = [n for n in names if not n or n.isdigit() or any(c in n for c in ".[]")]
-    if bad or not names:
-        raise ConfigError(
-            f"data.prompt_template must name columns as {{column}} (found {bad or 'none'}); e.g. "
-            "'{instruction}\\n{input}\\n### Response:\\n'"
-        )
-    return list(dict.fromkeys(names))
-
-
 def check_store_objective(data: DataConfig, store) -> None:
     """A token store made for another objective than data.objective (e.g. next-token rows for a
     bert model) is a ConfigError: its labels would train or score the wrong thing."""
-    if store.objective != data.objective:
+    check_objective(data, store.objective, store.path)
+
+
+def check_objective(data: DataConfig, objective: str, path) -> None:
+    """check_store_objective for a store at `path` whose manifest says `objective`."""
+    if objective != data.objective:
         raise ConfigError(
-            f"the token store {store.path} holds {store.objective} rows, but data.objective is "
+            f"the token store {path} holds {objective} rows, but data.objective is "
             f"{data.objective}; rerun `preinfer tokenize --force` with this config"
         )
 
 
 # ---------------------------------------------------------------------------------------------
-# Corpus
-
-
-class CorpusError(ConfigError):
-    """The corpus cannot be read or is unusable; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class Document:
-    doc_id: str
-    """Stable name of the document (relative path or row index)."""
-    text: str
-    """The document, or a pair's prompt."""
-    response: str | None = None
-    """A pair's response (format prompt_response); None for a document."""
-
-    def key(self) -> bytes:
-        """The content that identifies it (hashed for the fingerprint and the split)."""
-        if self.response is None:
-            return self.text.encode()
-        return self.text.encode() + b"\0" + self.response.encode()
+# Corpus (local files and rows: preinfer/corpus.py)
 
 
 def builtin_corpus_root() -> Path:
@@ -187,152 +155,6 @@ def _iter_builtin() -> Iterator[Document]:
             yield Document(f.relative_to(root).as_posix(), text)
 
 
-_FORMATS = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-}
-
-
-def _local_files(paths: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for spec in paths:
-        p = Path(spec).expanduser()
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in _FORMATS)
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise CorpusError(
-                f"data.source: {spec} does not exist; give a file, a directory or 'builtin'"
-            )
-    if not files:
-        raise CorpusError(f"data.source: no .txt/.jsonl/.parquet files under {', '.join(paths)}")
-    bad = [f.name for f in files if f.suffix not in _FORMATS]
-    if bad:
-        raise CorpusError(
-            f"data.source: unsupported file type(s) {', '.join(bad)}; use {', '.join(sorted(_FORMATS))}"
-        )
-    return files
-
-
-def _columns(cfg: DataConfig, text_field: str) -> dict[str, str]:
-    """{column: the config key naming it} of the columns a row must have."""
-    if not cfg.pairs:
-        return {text_field: "data.text_field"}
-    if cfg.prompt_template is None:
-        cols = {cfg.prompt_field: "data.prompt_field"}
-    else:
-        cols = dict.fromkeys(template_fields(cfg.prompt_template), "data.prompt_template")
-    return {**cols, cfg.response_field: "data.response_field"}
-
-
-def _missing(need: dict[str, str], have, label: str) -> CorpusError | None:
-    for col, key in need.items():
-        if col not in have:
-            return CorpusError(
-                f"{key}: column {col!r} not in {label} (columns: {', '.join(sorted(have))})"
-            )
-    return None
-
-
-def _doc(row: dict, i: int, cfg: DataConfig, field: str, label: str) -> Document | None:
-    """The document (or pair) of one row; None for a row without usable text. A column a row
-    lacks reads as null. field: the text column (format text)."""
-    if not cfg.pairs:
-        text = row.get(field)
-        return Document(f"{label}#{i}", text) if isinstance(text, str) and text.strip() else None
-    response = row.get(cfg.response_field)
-    if cfg.prompt_template is None:
-        prompt = row.get(cfg.prompt_field)
-    else:
-        values = {c: "" if row.get(c) is None else row[c] for c in _fields(cfg.prompt_template)}
-        prompt = cfg.prompt_template.format(**values)
-    if isinstance(prompt, str) and isinstance(response, str) and (prompt + response).strip():
-        return Document(f"{label}#{i}", prompt, response)
-    return None
-
-
-def _iter_rows(
-    rows: Iterable[dict], cfg: DataConfig, label: str, *, columns=None, text_field=None
-) -> Iterator[Document]:
-    """Documents of `rows` (dicts). columns: the column names when known up front (checked
-    first); else a column no row holds is an error at the end (nothing of it was yielded)."""
-    text_field = text_field or cfg.text_field
-    need = _columns(cfg, text_field)
-    if columns is not None and (err := _missing(need, set(columns), label)):
-        raise err
-    seen: set[str] = set()
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise CorpusError(f"data.source: row {i} of {label} is not an object: {row!r:.80}")
-        if columns is None:
-            seen.update(row)
-        doc = _doc(row, i, cfg, text_field, label)
-        if doc is not None:
-            yield doc
-    if columns is None and (err := _missing(need, seen, label)):
-        raise err
-
-
-def _json_rows(f: Path) -> Iterator[dict]:
-    """Rows of JSON lines, one at a time (or of one JSON array, read whole)."""
-    with open(f, encoding="utf-8") as fh:
-        head = fh.read(64).lstrip()
-        fh.seek(0)
-        if head.startswith("["):
-            yield from json.load(fh)
-            return
-        for n, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except ValueError as e:
-                    raise CorpusError(f"data.source: {f} line {n} is not JSON: {e}") from None
-
-
-def _parquet_rows(f: Path, columns: list[str]) -> Iterator[dict]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(f)
-    for batch in pf.iter_batches(batch_size=1024, columns=columns):
-        yield from batch.to_pylist()
-
-
-def _iter_local(paths: list[str], cfg: DataConfig) -> Iterator[Document]:
-    """Local files, streamed (a text file is one document; jsonl/parquet rows are read a line
-    or a batch at a time)."""
-    for f in _local_files(paths):
-        kind = _FORMATS[f.suffix]
-        label = f.name
-        try:
-            if kind == "text":
-                if cfg.pairs:
-                    raise CorpusError(
-                        f"data.source: {f} is a text file, but data.format=prompt_response "
-                        "reads rows with prompt and response columns; give .jsonl/.parquet "
-                        "files or an hf: dataset"
-                    )
-                with open(f, encoding="utf-8") as fh:  # as `datasets`' text loader reads it
-                    rows = [{"text": fh.read()}]
-                yield from _iter_rows(rows, cfg, label, columns=["text"], text_field="text")
-            elif kind == "json":
-                yield from _iter_rows(_json_rows(f), cfg, label)
-            else:
-                import pyarrow.parquet as pq
-
-                names = pq.read_schema(f).names
-                need = [c for c in _columns(cfg, cfg.text_field) if c in names]
-                yield from _iter_rows(_parquet_rows(f, need), cfg, label, columns=names)
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            if isinstance(e, CorpusError):
-                raise
-            raise CorpusError(f"data.source: cannot read {f} as {kind}: {e}") from None
-
-
 HF_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
@@ -349,7 +171,7 @@ def force_hf_offline() -> None:
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
 
 
-def _iter_hf(spec: str, cfg: DataConfig) -> Iterator[Document]:
+def _iter_hf(spec: str, cfg: DataConfig, stats: RowStats | None) -> Iterator[Document]:
     force_hf_offline()  # before the import: datasets reads the environment once, when imported
     import datasets
 
@@ -361,11 +183,13 @@ def _iter_hf(spec: str, cfg: DataConfig) -> Iterator[Document]:
             f"data.source: hf:{spec} did not resolve offline ({type(e).__name__}: {e}); "
             "point data.source at local files or a dataset already in the HF cache"
         ) from None
-    yield from _iter_rows(ds, cfg, f"hf:{name}", columns=ds.column_names)
+    rows = ((f"hf:{name} row {i}", row) for i, row in enumerate(ds))
+    yield from iter_rows(rows, cfg, f"hf:{name}", stats, columns_known=ds.column_names)
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[Document]:
-    """Documents of the configured corpus in a fixed order (truncated to max_documents)."""
+def iter_documents(cfg: DataConfig, stats: RowStats | None = None) -> Iterator[Document]:
+    """Documents of the configured corpus in a fixed order (truncated to max_documents).
+    stats: filled with what became of the rows read (unusable, empty, empty files)."""
     if cfg.source == "builtin":
         if cfg.pairs:
             raise CorpusError(
@@ -374,9 +198,9 @@ def iter_documents(cfg: DataConfig) -> Iterator[Document]:
             )
         it = _iter_builtin()
     elif cfg.source.startswith("hf:"):
-        it = _iter_hf(cfg.source[3:], cfg)
+        it = _iter_hf(cfg.source[3:], cfg, stats)
     else:
-        it = _iter_local([s for s in cfg.source.split(",") if s], cfg)
+        it = iter_local([s for s in cfg.source.split(",") if s], cfg, stats)
     for n, doc in enumerate(it):
         if cfg.max_documents is not None and n >= cfg.max_documents:
             break

@@ -27,6 +27,8 @@ and removes the old files the new manifest does not list after it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -67,15 +69,43 @@ def _table(sample_ids: np.ndarray, rows: np.ndarray, labels: np.ndarray | None) 
     return pa.table(cols)
 
 
+_UNREAD = object()
+
+
+def manifest_bytes(path: str | Path) -> bytes | None:
+    """The bytes of the store's manifest.json at `path` (None: no store there): what tells one
+    written store from another (each records its creation time)."""
+    mpath = fs.path(path) / "manifest.json"
+    return mpath.read_bytes() if mpath.is_file() else None
+
+
+@contextlib.contextmanager
+def _dir_lock(path: Path):
+    """An exclusive flock on directory `path` (no lock file is left behind)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 class TokenStoreWriter:
     """Writes one token store aside (`<dir>.partial-<uuid>`), then `commit()` renames it.
 
     Rows arrive in blocks per split (`add`, splits interleaved as they come); a split's rows
     are cut into shards of `shard_rows` in arrival order, so what is held in memory is at most
-    one shard per split."""
+    one shard per split.
 
-    def __init__(self, out_dir: str | Path, *, seq_len: int, shard_rows: int, labels: bool = False):
+    `over`: the manifest bytes (`manifest_bytes`) of the store the caller saw at `dir` when it
+    began (None: none), read here when not given. A local commit refuses when `dir` holds
+    another store by then: a second concurrent writer never replaces the first one's store
+    unseen, with or without replace."""
+
+    def __init__(self, out_dir: str | Path, *, seq_len: int, shard_rows: int, labels: bool = False,
+                 over: bytes | None | object = _UNREAD):  # fmt: skip
         self.out_dir = fs.path(out_dir)
+        self.over = manifest_bytes(self.out_dir) if over is _UNREAD else over
         if fs.is_url(self.out_dir):  # staged locally, PUT object by object at commit
             fs.check(self.out_dir, "token store")
             self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out_dir.name}.partial-"))
@@ -178,13 +208,27 @@ class TokenStoreWriter:
         if fs.is_url(self.out_dir):
             return self._commit_remote(replace)
         old = None
-        if self.out_dir.exists():
-            if not replace:
+        with _dir_lock(self.out_dir.parent):  # one commit at a time beside this store
+            now = manifest_bytes(self.out_dir)
+            if now != self.over:
                 self.abort()
-                raise TokenStoreError(f"{self.out_dir} appeared while tokenizing; rerun")
-            old = self.out_dir.with_name(f"{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(self.out_dir, old)
-        os.replace(self.tmp, self.out_dir)
+                what = "no token store" if now is None else f"store {_fingerprint(now)}"
+                raise TokenStoreError(
+                    f"{self.out_dir} changed while this tokenize ran (it now holds {what}: "
+                    "another tokenize wrote there meanwhile); this one wrote nothing: rerun it to "
+                    "replace that store (with --force if their inputs differ)"
+                )
+            if self.out_dir.exists() and not replace:
+                self.abort()
+                raise TokenStoreError(
+                    f"{self.out_dir} exists ({'a token store' if now else 'no token store in it'}"
+                    "); this tokenize wrote nothing: pass --force to replace it, or set "
+                    "data.out_dir elsewhere"
+                )
+            if self.out_dir.exists():
+                old = self.out_dir.with_name(f"{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(self.out_dir, old)
+            os.replace(self.tmp, self.out_dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return TokenStore(self.out_dir)
@@ -208,6 +252,13 @@ class TokenStoreWriter:
         finally:
             self.abort()
         return TokenStore(out)
+
+
+def _fingerprint(manifest: bytes) -> str:
+    try:
+        return str(json.loads(manifest)["fingerprint"])[:12]
+    except (ValueError, KeyError, TypeError):
+        return "(unreadable manifest)"
 
 
 class TokenStore:

@@ -11,12 +11,13 @@ from core.config import ConfigError
 from pipelines.cli import main
 from pipelines.export import run_export
 from pipelines.init import run_init
+from pipelines.tokenize import run_tokenize
 from preinfer.adapters import forward_blocks
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_format import CheckpointError
 from preinfer.tokenization import load_tokenizer
 from tests.conftest import MINILM
-from tests.pipeline_fixtures import quiet
+from tests.pipeline_fixtures import TINY, quiet
 
 TEXT = "def add(a, b):\n    return a + b  # <|endoftext|>"
 
@@ -99,7 +100,10 @@ def test_llama_gqa_untied_export_reloads_with_the_same_logits(tiny_run, tmp_path
 
 
 def test_bert_export_reloads_as_masked_lm(tiny_run, tmp_path):
-    cfg = tiny_run("model.arch=bert", f"run.checkpoint={tmp_path / 'bert_ckpt'}")
+    # a bert trains on masked-LM rows: its own token store (export refuses the causal one)
+    cfg = tiny_run("model.arch=bert", f"run.checkpoint={tmp_path / 'bert_ckpt'}",
+                   f"data.out_dir={tmp_path / 'bert_tokens'}")  # fmt: skip
+    run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
     out = tmp_path / "hf"
     res = run_export(cfg, str(out), log=quiet)
@@ -111,7 +115,6 @@ def test_bert_export_reloads_as_masked_lm(tiny_run, tmp_path):
 
 def test_pretrained_minilm_export_keeps_its_wordpiece_tokenizer(tmp_path):
     """configs/minilm.yaml: pretrained BERT (MiniLM-L6) and its own WordPiece tokenizer."""
-    from pipelines.tokenize import run_tokenize
     from preinfer.config import load_config
     from preinfer.modeling import resolve_package_path
 
@@ -139,6 +142,7 @@ def test_cli_export_and_refusal_of_a_non_empty_dir(tiny_run, tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     args = ["export", "--config", "configs/demo.yaml", "--set", f"run.dir={cfg.run.dir}"]
+    args += [a for s in TINY for a in ("--set", s)]  # the settings the run was made with
     assert main([*args, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "preinfer export: error:" in err and "not empty" in err and "--force" in err

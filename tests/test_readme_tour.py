@@ -58,11 +58,11 @@ def to_cli(make: str, mine: str, subs: dict[str, str]) -> list[str]:
 def test_readme_tour_runs_from_your_own_data_to_a_transformers_model(tmp_path):
     corpus = tmp_path / "my_corpus"
     corpus.mkdir()
-    # real text, offline: 40 documents (demo.yaml holds 5% out for val) of 1,500 characters,
-    # some 40 rows of the README's 512 tokens
+    # real text, offline: 40 documents (demo.yaml holds 5% out for val) of 800 characters,
+    # some 20 rows of the README's 512 tokens
     texts = [f.read_text() for f in sorted(Path(torch.__file__).parent.glob("nn/**/*.py"))]
-    for i, text in enumerate([t for t in texts if len(t) >= 1500][:40]):
-        (corpus / f"doc{i}.txt").write_text(text[:1500])
+    for i, text in enumerate([t for t in texts if len(t) >= 800][:40]):
+        (corpus / f"doc{i}.txt").write_text(text[:800])
     mine, makes = tour()
     assert [m.split()[1] for m in makes] == ["tokenize", "init", "plan", "bcd", "eval",
                                               "report", "export"]  # fmt: skip

@@ -1,0 +1,47 @@
+"""bench/peers.py on a tiny random LLaMA (`--model tiny`): every arm runs, reads the same val
+rows, and the ratios and tables come out. The real-model run is `python -m bench.peers --quick`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench import peers
+
+pytest.importorskip("badam", reason="the badam arms need the `real` extra")
+pytest.importorskip("peft", reason="the lora arm needs the `real` extra")
+
+
+def test_every_arm_on_a_tiny_model_in_one_process(tmp_path):
+    out = tmp_path / "res.json"
+    threads = torch.get_num_threads()
+    try:  # one torch thread (the bench's default; tiny ops run slower on two), restored after
+        ret = peers.main(["--quick", "--model", "tiny", "--inline", "--work", str(tmp_path / "w"),
+                          "--out", str(out)])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads(out.read_text())
+    assert ret["results"] == str(out)
+    sc, start = res["scale"], res["prep"]["initial_loss"]
+    visits = sc["rounds"] * sc["M"]
+    assert {r["arm"] for r in res["runs"]} == set(peers.ARMS)
+    for r in res["runs"]:
+        assert r["steps"] == visits * sc["steps_per_visit"], r["arm"]
+        assert len(r["curve"]) == visits + 1, r["arm"]  # step 0, then every visit's end
+        # the HF arms' own evaluation of the pretrained model is preinfer's (same val rows,
+        # same response-token mean): the bcd arms' start point is preinfer eval's
+        assert math.isclose(r["curve"][0]["loss"], start, rel_tol=1e-4), r["arm"]
+        assert r["final_loss"] < start, r["arm"]  # every arm trained
+        assert r["seconds"] > 0 and r["peak_rss_mb"] >= r["baseline_rss_mb"] > 0
+    by = {r["arm"]: r for r in res["runs"]}
+    # BAdam over preinfer's 3 blocks: the embedding in the first, the final norm in the last
+    blocks = by["badam-blocks"]["blocks"]
+    assert by["badam-blocks"]["block_count"] == 3 and blocks[0][0] == "model.embed_tokens."
+    assert by["badam-layers"]["block_count"] == 6  # BAdam's default: one block per layer
+    assert by["lora"]["trainable_params"][0] < by["full"]["trainable_params"][0]
+    assert set(res["targets"]) >= {"bcd_loss_at_full_time", "bcd_peak_over_badam-blocks",
+                                   "bcd_time_to_badam-layers_loss"}  # fmt: skip
+    assert "bcd peak RSS / badam-blocks'" in res["table"]
