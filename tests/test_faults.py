@@ -6,9 +6,7 @@ test_checkpoint.py.)"""
 import contextlib
 import errno
 import json
-import resource
 import shutil
-import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -25,20 +23,7 @@ from storage.cache import CacheWriter
 from storage.config import CacheConfig
 from storage.reader import open_cache
 from tests.pipeline_fixtures import quiet
-
-
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    """Writes past `nbytes` in any file of this process fail with EFBIG while inside (the soft
-    RLIMIT_FSIZE only, so it can be raised back; SIGXFSZ ignored, as Python does)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, old)
+from tests.test_cache_resume import file_size_limit
 
 
 @pytest.fixture
@@ -53,7 +38,7 @@ def small_fs(tmp_path):
     )
     if r.returncode != 0:
         mnt.rmdir()
-        yield tmp_path, lambda: _file_size_limit(16 << 10)  # a shard is 32 KiB
+        yield tmp_path, lambda: file_size_limit(16 << 10)  # a shard is 32 KiB
         return
 
     @contextlib.contextmanager
