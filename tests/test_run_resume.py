@@ -122,7 +122,7 @@ def test_a_killed_demo_resumes_to_the_weights_of_an_uninterrupted_one(tiny_base,
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming the interrupted demo" in r.stdout and "1 of 3 block visits done" in r.stdout
     assert "resumed bcd block 1 round 0 at step 2" in r.stdout
-    assert hashes(killed / "checkpoint") == hashes(clean / "checkpoint")
+    assert_same_weights(clean / "checkpoint", killed / "checkpoint")
     assert hashes(clean / "checkpoint") != hashes(tiny_base / "checkpoint")
     out = killed / "export"
     assert f"AutoModelForCausalLM.from_pretrained({str(out)!r})" in r.stdout
