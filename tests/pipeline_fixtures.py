@@ -90,12 +90,13 @@ def write_small_cache(root, fp: str, N: int = 24, S: int = 8, H: int = 16) -> No
     w.finalize()
 
 
-def assert_same_weights(a_dir, b_dir, atol: float = 1e-4) -> None:
+def assert_same_weights(a_dir, b_dir, atol: float = 1e-4, share: float = 0.01) -> None:
     """Two checkpoints trained alike by different processes hold the same weights: bit for bit
-    where the processes computed alike, else within fp32 rounding. On an Intel CPU with MKL
-    about 1 fresh process in 30 computes its first products an ulp or two apart, which Adam
-    carries into weights ~1e-6 apart (docs/failures.md); a step trained twice or skipped, or
-    other data, moves them by ~lr (1e-3), far past atol."""
+    where the processes computed alike; else at most `share` of each block's values more than
+    atol apart. On an Intel CPU with MKL about 1 fresh process in 30 computes its first products
+    an ulp or two apart (docs/failures.md); Adam turns that into ~1e-6, and where a gradient
+    is near zero and flips sign, into one lr-sized step (seen: 1 value in 1,024). A step
+    trained twice or skipped, or other data, moves nearly every value by ~lr (1e-3)."""
     a, b = Checkpoint.open(a_dir), Checkpoint.open(b_dir)
     assert a.num_blocks == b.num_blocks
     for i in range(a.num_blocks):
@@ -104,6 +105,7 @@ def assert_same_weights(a_dir, b_dir, atol: float = 1e-4) -> None:
         (ma, ada), (mb, adb) = a.load([i]), b.load([i])
         sa, sb = a.block_state(ma, ada, i), b.block_state(mb, adb, i)
         assert sorted(sa) == sorted(sb), i
-        for name in sa:
-            torch.testing.assert_close(sb[name], sa[name], atol=atol, rtol=0,
-                                       msg=lambda m, n=name, i=i: f"block {i} {n}: {m}")  # fmt: skip
+        assert all(sa[n].shape == sb[n].shape for n in sa), i
+        far = sum(int(((sa[n] - sb[n]).abs() > atol).sum()) for n in sa)
+        total = sum(sa[n].numel() for n in sa)
+        assert far <= share * total, f"block {i}: {far} of {total} values differ by > {atol}"
