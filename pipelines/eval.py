@@ -23,6 +23,7 @@ NOTE = {
     "all": "",
     "response": "; response tokens only: prompts are masked",
     "masked": "; the masked positions' own tokens",
+    "assistant": "; assistant turns only (through their end-of-turn token)",
 }
 
 
@@ -50,11 +51,14 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
         max_batches=max_batches,
         device=device,
     )
+    targets = TARGETS[store.objective, store.has_labels]  # what the loss is a mean over
+    if targets == "response" and "chat" in store.manifest:  # a data.format=chat store
+        targets = "assistant"
     res = {
         "split": split,
         **res,
         "objective": store.objective,
-        "targets": TARGETS[store.objective, store.has_labels],  # what the loss is a mean over
+        "targets": targets,
         "seconds": time.perf_counter() - t0,
         "checkpoint": ckpt.prefix_hash(M),
     }

@@ -1,9 +1,10 @@
 """Stage `preinfer tokenize`: corpus -> tokenizer -> packed train/val token store.
 
 Same inputs (corpus bytes, tokenizer, S, split rule, and for prompt/response data the pair
-layout, for masked-LM data the mask rule and seed) give the same fingerprint, and a rerun over
-a complete store with that fingerprint does nothing (unless a shard fails its checksum: then
-the store is written again).
+layout and the token ending a response, for chat data (and pairs rendered as chat) the chat
+template and its eos, for masked-LM data the mask rule and seed) give the same fingerprint, and
+a rerun over a complete store with that fingerprint does nothing (unless a shard fails its
+checksum: then the store is written again).
 
 Rows are never lost silently: pass 1 counts every row it cannot use, by reason
 (preinfer/corpus.py RowStats), and refuses more than 1% of them unless data.on_bad_rows=skip,
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 from core.config import ConfigError
 from core.fingerprint import chain, file_hash
+from preinfer.chat import ChatTemplate
 from preinfer.config import Config
 from preinfer.corpus import CorpusError, RowStats
 from preinfer.modeling import resolve_checkpoint_path
@@ -39,6 +41,7 @@ from preinfer.tokenization import (
     is_val,
     iter_documents,
     load_tokenizer,
+    pair_eos,
     tokenizer_file,
     train_bpe,
 )
@@ -98,7 +101,9 @@ def _scan(d: DataConfig) -> tuple[str, dict[str, int], RowStats]:
     return corpus.hexdigest(), counts, rows
 
 
-def tokens_fingerprint(cfg: Config, corpus: str) -> str:
+def tokens_fingerprint(cfg: Config, corpus: str, rendering: dict | None = None) -> str:
+    """rendering: what pairs or chat rows are rendered with beyond the config (the chat
+    template's `describe()`, or a pair's eos where it is not eos_id's); None: nothing more."""
     d = cfg.data
     parts = {}
     if d.pairs:  # text stores keep the fingerprints they had before pairs existed
@@ -108,7 +113,11 @@ def tokens_fingerprint(cfg: Config, corpus: str) -> str:
             "split_pairs": d.split_pairs,
             "too_long": "drop",
             "targets": "response + EOS",
+            **(rendering or {}),
         }
+    if d.chat:
+        parts["chat"] = {"messages": d.messages_field, "split_pairs": d.split_pairs,
+                         "too_long": "drop", **(rendering or {})}  # fmt: skip
     if d.mlm:  # causal stores keep the fingerprints they had before masked LM existed
         parts["mlm"] = {
             "seed": d.mask_seed,
@@ -132,6 +141,23 @@ def tokens_fingerprint(cfg: Config, corpus: str) -> str:
     )[:32]
 
 
+def _pair_end(d: DataConfig, tok, chat: ChatTemplate | None) -> tuple[int | None, dict | None]:
+    """(the id that ends a pair's response or pads a chat row, None for text; what the
+    fingerprint records of how pairs / conversations are rendered) for a loaded tokenizer."""
+    if chat is not None:
+        return (chat.eos if chat.eos is not None else eos_id(tok)), chat.describe()
+    if not d.pairs:
+        return None, None
+    own = pair_eos(d.tokenizer, tok)
+    try:
+        legacy = eos_id(tok)
+    except ConfigError:
+        legacy = None
+    # a store whose pairs end as they did before the tokenizer's own eos was used keeps its
+    # fingerprint; one that now ends them otherwise (a chat model's <|im_end|>) gets a new one
+    return own, (None if own == legacy else {"eos": tok.id_to_token(own)})
+
+
 def _train_texts(d: DataConfig):
     for doc in iter_documents(d):
         if not is_val(doc, d):
@@ -145,6 +171,10 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
     t0 = time.perf_counter()
     out = fs.path(d.out_dir)  # a Path, or a RemotePath (s3://...)
     found = manifest_bytes(out)  # the store a commit may replace: another one then is refused
+    # a user's tokenizer (and its chat template) first: a missing one is refused before the scan
+    tok = load_tokenizer(tokenizer_file(d.tokenizer)) if d.tokenizer != "bpe" else None
+    chat = ChatTemplate.load(d.tokenizer, tok) if d.renders_chat else None
+    end, rendering = _pair_end(d, tok, chat) if tok is not None else (None, None)
     corpus, docs, rows = _scan(d)
     rows.check(d.on_bad_rows)  # too many unusable rows: refused before anything is written
     for line in rows.lines():
@@ -154,7 +184,7 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         raise CorpusError(
             f"data.source {d.source!r} holds no non-empty documents; give a corpus with text"
         )
-    fingerprint = tokens_fingerprint(cfg, corpus)
+    fingerprint = tokens_fingerprint(cfg, corpus, rendering)
     replace = force
     if TokenStore.exists(out):
         store = TokenStore(out)
@@ -179,13 +209,13 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
                 "use more documents or change data.val_fraction"
             )
 
-    if d.tokenizer != "bpe":
-        tok = load_tokenizer(tokenizer_file(d.tokenizer))
-    elif d.mlm:
+    if tok is None and d.mlm:  # data.tokenizer=bpe, trained on the train split
         tok = train_bpe(_train_texts(d), d.vocab_size, mlm=True)  # with [CLS] and [MASK]
-    else:
+    elif tok is None:
         tok = train_bpe(_train_texts(d), d.vocab_size)
-    eos = eos_id(tok)
+    # text (and a BPE's pairs): the end-of-document token; pairs: what ends a response (the
+    # tokenizer's own eos); chat: the padding (its eos)
+    eos = eos_id(tok) if end is None else end
     mlm = mlm_tokens(tok) if d.mlm else None  # before anything is written: no [MASK] = error
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if cfg.model.checkpoint is None and vocab > cfg.model.vocab_size:
@@ -200,7 +230,7 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         [] if fs.is_url(out) else [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    labels = d.pairs or d.mlm  # stored: prompt masks, or mlm targets (unshifted)
+    labels = d.pairs or d.chat or d.mlm  # stored: prompt masks, or mlm targets (unshifted)
     writer = None
     try:
         writer = TokenStoreWriter(out, seq_len=d.seq_len, shard_rows=d.shard_rows, labels=labels,
@@ -213,14 +243,14 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
             if err is None:
                 raise
             raise err from e
-        n_tokens, packers, seen = _encode_and_pack(cfg, tok, eos, mlm, writer, n_docs, t0)
+        n_tokens, packers, seen = _encode_and_pack(cfg, tok, eos, mlm, chat, writer, n_docs, t0)
         if seen != corpus:  # read again for this pass: the store must hold what was hashed
             raise CorpusError(
                 f"data.source {d.source!r} changed while it was tokenized (its documents now "
                 "hash differently); nothing was written: rerun when the corpus is settled"
             )
         for name in docs:
-            if d.pairs and writer.rows(name) == 0:
+            if (d.pairs or d.chat) and writer.rows(name) == 0:
                 _all_too_long(packers[name].stats, name, d)
             if writer.rows(name) == 0:
                 raise CorpusError(
@@ -228,13 +258,13 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
                     "use more documents, a larger data.val_fraction or a smaller data.seq_len"
                     + (
                         " (or a larger data.seq_len: pairs longer than S+1 are dropped)"
-                        if d.pairs
+                        if d.pairs or d.chat
                         else ""
                     )
                 )
         extra = {}
-        if d.pairs:
-            extra["pairs"] = {k: dict(p.stats) for k, p in packers.items()}
+        if d.pairs or d.chat:
+            extra[d.format if d.chat else "pairs"] = {k: dict(p.stats) for k, p in packers.items()}
         if d.mlm:
             extra["mlm"] = {k: dict(p.stats) for k, p in packers.items()}
             extra["mlm_tokens"] = {"cls": mlm["cls"], "mask": mlm["mask_id"],
@@ -263,15 +293,15 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         raise
     dt = time.perf_counter() - t0
     c = store.manifest["counts"]
-    what = "pairs" if d.pairs else "documents"
+    what = "pairs" if d.pairs else "conversations" if d.chat else "documents"
     log(
         f"tokenize: {n_docs} {what} ({docs['train']} train / {docs['val']} val), "
         f"objective {d.objective}, "
         f"{n_tokens:,} tokens, vocab {vocab}, S={d.seq_len}: {c['train']} train + {c['val']} val "
         f"samples in {dt:.1f}s ({n_tokens / dt:,.0f} tok/s) -> {out}"
     )
-    if d.pairs:
-        _log_pairs(store.manifest["pairs"], d, log)
+    if d.pairs or d.chat:
+        _log_pairs(store.manifest["pairs" if d.pairs else "chat"], d, log)
     if d.mlm:
         t = store.manifest["mlm"]["train"]
         log(
@@ -303,11 +333,13 @@ def mlm_tokens(tok) -> dict:
 
 
 def _encode_and_pack(
-    cfg: Config, tok, eos: int, mlm: dict | None, writer: TokenStoreWriter, n_docs: int, t0
-):
+    cfg: Config, tok, eos: int, mlm: dict | None, chat: ChatTemplate | None,
+    writer: TokenStoreWriter, n_docs: int, t0,
+):  # fmt: skip
     """Pass 3: encode the documents a batch at a time and pack each into its split's rows as
     it comes (train and val interleaved); returns (tokens seen, the packers, the corpus hash of
-    what was read). mlm: `mlm_tokens(tok)` for data.objective=mlm, else None."""
+    what was read). mlm: `mlm_tokens(tok)` for data.objective=mlm, else None; chat: the
+    template rows are rendered with (data.format=chat, data.pairs_as_chat), else None."""
     d = cfg.data
     if mlm is not None:
         packers = {
@@ -316,24 +348,30 @@ def _encode_and_pack(
             )  # fmt: skip
             for s in ("train", "val")
         }
-    elif d.pairs:
-        packers = {
-            s: PairPacker(eos, d.seq_len, split_pairs=d.split_pairs) for s in ("train", "val")
-        }
+    elif d.pairs or d.chat:
+        unit = "pairs" if d.pairs else "conversations"
+        packers = {s: PairPacker(eos, d.seq_len, split_pairs=d.split_pairs, unit=unit)
+                   for s in ("train", "val")}  # fmt: skip
     else:
         packers = {s: Packer(eos, d.seq_len) for s in ("train", "val")}
     n_tokens, corpus = 0, hashlib.sha256()
     bar = tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None)
     docs = iter_documents(d)
     while batch := list(itertools.islice(docs, ENCODE_BATCH)):
-        texts = [doc.text for doc in batch]
-        if d.pairs:
-            texts += [doc.response for doc in batch]
-        enc = tok.encode_batch(texts, add_special_tokens=False)
+        if chat is not None:  # (ids, target) of each rendered conversation
+            enc = chat.encode(batch)
+        else:
+            texts = [doc.text for doc in batch]
+            if d.pairs:
+                texts += [doc.response for doc in batch]
+            enc = tok.encode_batch(texts, add_special_tokens=False)
         for j, doc in enumerate(batch):
             corpus.update(hashlib.sha256(doc.key()).digest())
             split = "val" if is_val(doc, d) else "train"
-            if d.pairs:
+            if chat is not None:
+                n_tokens += len(enc[j][0])
+                writer.add(split, *packers[split].add_masked(*enc[j]))
+            elif d.pairs:
                 p, r = enc[j].ids, enc[len(batch) + j].ids
                 n_tokens += len(p) + len(r) + 1
                 writer.add(split, *packers[split].add(p, r))
@@ -347,33 +385,37 @@ def _encode_and_pack(
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):,.0f}")
     bar.close()
-    if d.pairs:
+    if d.pairs or d.chat:
         for split, p in packers.items():
             writer.add(split, *p.finish())
     return n_tokens, packers, corpus.hexdigest()
 
 
 def _all_too_long(stats: dict, split: str, d: DataConfig) -> None:
-    """Refuse a split whose every pair was dropped for its length, saying so."""
-    n, lo, hi = stats["pairs"], stats["shortest"], stats["longest"]
+    """Refuse a split whose every pair (conversation) was dropped for its length, saying so."""
+    unit = "pairs" if d.pairs else "conversations"
+    n, lo, hi = stats[unit], stats["shortest"], stats["longest"]
+    what = "prompt + response + EOS" if d.pairs and not d.pairs_as_chat else "as rendered"
     if n and stats["dropped_too_long"] == n:
-        keep = f"{hi - 1} keeps every pair" + (f", {lo - 1} the shortest" if lo < hi else "")
+        keep = f"{hi - 1} keeps every {unit[:-1]}" + (f", {lo - 1} the shortest" if lo < hi else "")
         raise CorpusError(
-            f"all {n} {split} pairs are longer than S+1 = {d.seq_len + 1} tokens (prompt + "
-            f"response + EOS; the longest is {hi} tokens, the shortest {lo}), so all were "
+            f"all {n} {split} {unit} are longer than S+1 = {d.seq_len + 1} tokens ({what}; "
+            f"the longest is {hi} tokens, the shortest {lo}), so all were "
             f"dropped and nothing was written; raise data.seq_len ({keep}; model.max_positions "
             "with it), or set data.split_pairs=true"
         )
 
 
 def _log_pairs(stats: dict, d: DataConfig, log) -> None:
+    unit = "pairs" if d.pairs else "conversations"
+    what = "prompt + response + EOS" if d.pairs and not d.pairs_as_chat else "as rendered"
     for split, s in stats.items():
         if s["dropped_too_long"]:
             log(
-                f"tokenize: {split}: dropped {s['dropped_too_long']} of {s['pairs']} pairs longer "
-                f"than S+1 = {d.seq_len + 1} tokens (prompt + response + EOS); raise "
+                f"tokenize: {split}: dropped {s['dropped_too_long']} of {s[unit]} {unit} longer "
+                f"than S+1 = {d.seq_len + 1} tokens ({what}); raise "
                 "data.seq_len to keep them, or set data.split_pairs=true"
             )
         if s["rows_without_targets"]:
             log(f"tokenize: {split}: skipped {s['rows_without_targets']} rows holding no "
-                "response token")  # fmt: skip
+                f"{'response' if d.pairs else 'assistant'} token")  # fmt: skip

@@ -6,7 +6,9 @@ an account of every row that was not used as it is (RowStats).
     stats.check(cfg.on_bad_rows)     # more than 1% unusable rows: a CorpusError (unless skip)
 
 A row is unusable ("bad") when a field it needs is missing, null or not a string, or, for a
-prompt/response pair, its response is empty: such rows are skipped and counted by reason, with
+prompt/response pair, its response is empty, or, for a conversation (data.format=chat), its
+messages are not a list of {"role", "content"} turns with string values, a role is not one of
+ROLES, or no turn is the assistant's: such rows are skipped and counted by reason, with
 the first few places ("train.jsonl line 7"). A text row whose text is empty is skipped and
 counted too, but is not bad (corpora such as wikitext hold many). An empty file is an error
 when named alone, and skipped with a count inside a directory. `cfg` is a
@@ -29,6 +31,7 @@ from core.config import ConfigError
 
 BAD_ROWS_LIMIT = 0.01  # data.on_bad_rows=error: more than this share of bad rows is refused
 EXAMPLES = 3  # places of bad rows named in the log, the manifest and the error
+ROLES = ("system", "user", "assistant", "tool")  # a chat turn's roles (TRL's conversational data)
 
 
 class CorpusError(ConfigError):
@@ -47,12 +50,24 @@ class Document:
     """The document, or a pair's prompt."""
     response: str | None = None
     """A pair's response (format prompt_response); None for a document."""
+    messages: tuple[tuple[str, str], ...] | None = None
+    """A conversation's (role, content) turns (format chat; text is then ''); None otherwise."""
 
     def key(self) -> bytes:
         """The content that identifies it (hashed for the fingerprint and the split)."""
+        if self.messages is not None:
+            return json.dumps(self.messages, ensure_ascii=False).encode()
         if self.response is None:
             return self.text.encode()
         return self.text.encode() + b"\0" + self.response.encode()
+
+    def turns(self) -> list[dict[str, str]]:
+        """The conversation as chat-template messages: a chat row's turns, or a pair as a user
+        turn (the prompt) and an assistant turn (the response)."""
+        if self.messages is not None:
+            return [{"role": r, "content": c} for r, c in self.messages]
+        return [{"role": "user", "content": self.text},
+                {"role": "assistant", "content": self.response}]  # fmt: skip
 
 
 @dataclass
@@ -145,6 +160,8 @@ def template_fields(template: str) -> list[str]:
 
 def columns(cfg, text_field: str) -> dict[str, str]:
     """{column: the config key naming it} of the columns a row must have."""
+    if cfg.chat:
+        return {cfg.messages_field: "data.messages_field"}
     if not cfg.pairs:
         return {text_field: "data.text_field"}
     if cfg.prompt_template is None:
@@ -176,9 +193,38 @@ def _string(row: dict, name: str, where: str, stats: RowStats) -> str | None:
     return value
 
 
+def _turns(value, name: str) -> tuple[tuple[str, str], ...] | str:
+    """A messages value as (role, content) turns, or why it is unusable (a bad-row reason)."""
+    if value is None:
+        return f"{name!r} null"
+    if not isinstance(value, list | tuple) or not value:
+        return f"{name!r} not a non-empty list of turns"
+    turns = []
+    for turn in value:
+        if not isinstance(turn, dict) or not all(
+            isinstance(turn.get(k), str) for k in ("role", "content")
+        ):
+            return f"{name!r} holding a turn that is not {{'role': str, 'content': str}}"
+        if turn["role"] not in ROLES:
+            return f"{name!r} role {turn['role']!r} unknown (roles: {', '.join(ROLES)})"
+        turns.append((turn["role"], turn["content"]))
+    if not any(r == "assistant" for r, _ in turns):
+        return f"{name!r} without an assistant turn (nothing to train on)"
+    return tuple(turns)
+
+
 def _document(row: dict, doc_id: str, where: str, cfg, text_field: str,
               stats: RowStats) -> Document | None:  # fmt: skip
-    """The document (or pair) of one row; None for a row skipped (counted in stats)."""
+    """The document (pair, conversation) of one row; None for a row skipped (counted in stats)."""
+    if cfg.chat:
+        if cfg.messages_field not in row:
+            stats.skip(f"{cfg.messages_field!r} missing", where)
+            return None
+        turns = _turns(row[cfg.messages_field], cfg.messages_field)
+        if isinstance(turns, str):
+            stats.skip(turns, where)
+            return None
+        return Document(doc_id, "", messages=turns)
     if not cfg.pairs:
         text = _string(row, text_field, where, stats)
         if text is not None and not text.strip():
@@ -315,10 +361,11 @@ def _parquet_rows(f: Path, names: list[str]) -> Iterator[tuple[str, dict]]:
 def _read_file(f: Path, cfg, stats: RowStats) -> Iterator[Document]:
     kind, label = FORMATS[f.suffix], f.name
     if kind == "text":
-        if cfg.pairs:
+        if cfg.pairs or cfg.chat:
+            what = "prompt and response columns" if cfg.pairs else "a messages column"
             raise CorpusError(
-                f"data.source: {f} is a text file, but data.format=prompt_response reads rows "
-                "with prompt and response columns; give .jsonl/.parquet files or an hf: dataset"
+                f"data.source: {f} is a text file, but data.format={cfg.format} reads rows "
+                f"with {what}; give .jsonl/.parquet files or an hf: dataset"
             )
         # as `datasets`' text loader reads it: universal newlines (\r\n and \r read as \n)
         text = _decode(f.read_bytes(), f).replace("\r\n", "\n").replace("\r", "\n")

@@ -4,7 +4,9 @@ Text: documents are joined with EOS between them and cut every S+1 ids; the last
 piece is dropped. A row's labels are its ids shifted by one (nothing stored).
 
 Prompt/response pairs: a pair is `prompt ids + response ids + EOS`; the response and its EOS
-are targets, the prompt is not (label IGNORE). Pairs are packed whole: a row takes pairs while
+are targets, the prompt is not (label IGNORE). A conversation (data.format=chat, or a pair
+rendered through the chat template) is its rendered ids with the targets preinfer/chat.py
+marks, packed the same way (`PairPacker.add_masked`; its stats count "conversations"). Pairs are packed whole: a row takes pairs while
 they fit and is padded with EOS (IGNORE labels) to S+1 ids, a pair longer than S+1 ids is
 dropped (counted in `PairPacker.stats`). With split_pairs, pairs are a stream cut every S+1
 ids like text, the masks travelling with the ids; a row left without any target is skipped.
@@ -69,17 +71,21 @@ _EMPTY_BOOL = np.zeros(0, dtype=bool)
 
 
 class PairPacker:
-    """Prompt/response packing: `add(prompt_ids, response_ids)` returns the (ids (k, S+1),
-    labels (k, S)) rows it completed; `finish()` the last one."""
+    """Prompt/response packing: `add(prompt_ids, response_ids)` (or `add_masked(ids, target)`)
+    returns the (ids (k, S+1), labels (k, S)) rows it completed; `finish()` the last one. eos:
+    what ends a response, and the padding (never a target). unit: the name the stats count
+    pairs by ("pairs", "conversations")."""
 
-    def __init__(self, eos: int, seq_len: int, *, split_pairs: bool = False):
+    def __init__(self, eos: int, seq_len: int, *, split_pairs: bool = False,
+                 unit: str = "pairs"):  # fmt: skip
         self.eos = np.array([eos], dtype=np.int32)
         self.n = seq_len + 1
         self.split_pairs = split_pairs
         self.ids = np.zeros(0, dtype=np.int32)  # the row being filled (< S+1 ids)
         self.target = _EMPTY_BOOL
+        self.unit = unit
         # shortest / longest: tokens of a pair (prompt + response + EOS), 0 before the first
-        self.stats = {"pairs": 0, "kept": 0, "dropped_too_long": 0, "rows_without_targets": 0,
+        self.stats = {unit: 0, "kept": 0, "dropped_too_long": 0, "rows_without_targets": 0,
                       "pad_tokens": 0, "shortest": 0, "longest": 0}  # fmt: skip
 
     def _rows(self, ids: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -105,9 +111,14 @@ class PairPacker:
         r = np.asarray(response_ids, dtype=np.int32)
         pair = np.concatenate([p, r, self.eos])
         target = np.concatenate([np.zeros(len(p), bool), np.ones(len(r) + 1, bool)])
-        self.stats["pairs"] += 1
+        return self.add_masked(pair, target)
+
+    def add_masked(self, pair: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Pack one pair (conversation) given whole: ids (n,) int32, target (n,) bool."""
+        pair = np.asarray(pair, dtype=np.int32)
+        self.stats[self.unit] += 1
         st = self.stats
-        st["shortest"] = len(pair) if st["pairs"] == 1 else min(st["shortest"], len(pair))
+        st["shortest"] = len(pair) if st[self.unit] == 1 else min(st["shortest"], len(pair))
         st["longest"] = max(st["longest"], len(pair))
         if self.split_pairs:
             self.stats["kept"] += 1

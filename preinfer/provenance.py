@@ -6,9 +6,10 @@ command that fixes it. So a setting is never asked for and silently ignored, and
 
     check_settings(cfg, "bcd", tokens=store.manifest, checkpoint=ckpt.index)
 
-Token store (the config its manifest records): data source, format and fields, template,
-tokenizer (and a trained BPE's vocab size), seq_len, objective, mask settings, split,
-max_documents; only the settings its format, tokenizer and objective use. Checkpoint
+Token store (the config its manifest records): data source, format and fields (prompt,
+response, messages; pairs_as_chat), template, tokenizer (and a trained BPE's vocab size),
+seq_len, objective, mask settings, split, max_documents; only the settings its format,
+tokenizer and objective use. Checkpoint
 (checkpoint.json): every model setting and partition.num_blocks. Exempt, as they change where
 things are written, not what is computed: data.out_dir, data.shard_rows, and data.on_bad_rows
 (whether tokenize refuses, not what a store holds). Local paths compare as absolute paths.
@@ -49,9 +50,11 @@ def _data_keys(d: dict) -> set[str]:
     if d.get("tokenizer") == "bpe":
         keys.add("vocab_size")
     if d.get("format") == "prompt_response":
-        keys |= {"prompt_template", "response_field", "split_pairs"}
+        keys |= {"prompt_template", "response_field", "split_pairs", "pairs_as_chat"}
         if d.get("prompt_template") is None:
             keys.add("prompt_field")
+    elif d.get("format") == "chat":
+        keys |= {"messages_field", "split_pairs"}
     elif d.get("source") != "builtin":
         keys.add("text_field")
     if d.get("objective") == "mlm":

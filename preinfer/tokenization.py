@@ -22,8 +22,8 @@ class DataConfig:
     """'builtin' (the interpreter's stdlib .py files), local file/dir paths (text/jsonl/parquet), or 'hf:<name>[:<config>]'."""
     objective: Literal["causal", "mlm"] | None = None
     """causal: predict the next token; mlm: masked LM, static masks chosen at tokenize time; null = by model.arch (bert: mlm, others: causal)."""
-    format: Literal["text", "prompt_response"] = "text"
-    """text: documents, every token a target; prompt_response: jsonl/parquet/HF rows of a prompt and a response, loss on the response only."""
+    format: Literal["text", "prompt_response", "chat"] = "text"
+    """text: documents, every token a target; prompt_response: jsonl/parquet/HF rows of a prompt and a response, loss on the response only; chat: rows of a messages column ({role, content} turns) rendered with the tokenizer's chat template, loss on the assistant turns only."""
     text_field: str = "text"
     """Column holding the text in jsonl/parquet/HF sources (format text)."""
     prompt_field: str = "prompt"
@@ -32,8 +32,12 @@ class DataConfig:
     """Prompt built from columns, e.g. '{instruction}\\n{input}\\n### Response:\\n' (null = the prompt_field column as is; a null value reads as '')."""
     response_field: str = "response"
     """Column holding the response (format prompt_response); a row whose response is missing, null, not a string or empty is a bad row."""
+    pairs_as_chat: bool = False
+    """prompt_response: render each pair through the tokenizer's chat template as a user turn (the prompt) and an assistant turn (the response); false = prompt + response + the tokenizer's eos."""
+    messages_field: str = "messages"
+    """Column holding a conversation (format chat): a list of {"role": system|user|assistant|tool, "content": str} turns."""
     split_pairs: bool = False
-    """prompt_response: cut the stream of pairs every S+1 tokens like text (a pair may span rows); false = whole pairs per row, padded, a pair longer than S+1 tokens dropped."""
+    """prompt_response / chat: cut the stream of pairs (conversations) every S+1 tokens like text (one may span rows); false = whole ones per row, padded, one longer than S+1 tokens dropped."""
     hf_split: str = "train"
     """Split read from an 'hf:' source."""
     max_documents: int | None = None
@@ -74,10 +78,21 @@ class DataConfig:
             raise ConfigError(f"data.shard_rows must be >= 1, got {self.shard_rows}")
         if self.prompt_template is not None:
             template_fields(self.prompt_template)  # a ConfigError if it is not a valid template
-        if self.split_pairs and not self.pairs:
+        if self.split_pairs and not (self.pairs or self.chat):
             raise ConfigError(
                 "data.split_pairs=true cuts prompt/response pairs, but data.format is text; "
                 "set data.format=prompt_response, or drop data.split_pairs"
+            )
+        if self.pairs_as_chat and not self.pairs:
+            raise ConfigError(
+                f"data.pairs_as_chat=true renders prompt/response pairs, but data.format is "
+                f"{self.format}; set data.format=prompt_response, or drop data.pairs_as_chat"
+            )
+        if self.renders_chat and self.tokenizer == "bpe":
+            raise ConfigError(
+                f"{'data.format=chat' if self.chat else 'data.pairs_as_chat=true'} renders "
+                "conversations with the tokenizer's chat template, but data.tokenizer is bpe (a "
+                "new BPE has none); set data.tokenizer to a chat model's tokenizer directory"
             )
         if not 0.0 < self.mask_fraction < 1.0:
             raise ConfigError(f"data.mask_fraction must be in (0, 1), got {self.mask_fraction}")
@@ -87,6 +102,15 @@ class DataConfig:
     @property
     def pairs(self) -> bool:
         return self.format == "prompt_response"
+
+    @property
+    def chat(self) -> bool:
+        return self.format == "chat"
+
+    @property
+    def renders_chat(self) -> bool:
+        """Rows rendered with the tokenizer's chat template (chat, or pairs_as_chat)."""
+        return self.chat or self.pairs_as_chat
 
     @property
     def mlm(self) -> bool:
@@ -112,9 +136,9 @@ def resolve_objective(data: DataConfig, arch: str) -> None:
             f"data.objective={data.objective} does not fit model.arch={arch} ({why}); use "
             f"data.objective={by_arch} or null (= by model.arch)"
         )
-    if data.mlm and data.pairs:
+    if data.mlm and (data.pairs or data.chat):
         raise ConfigError(
-            f"data.format=prompt_response trains a causal LM, but data.objective is mlm "
+            f"data.format={data.format} trains a causal LM, but data.objective is mlm "
             f"(model.arch={arch}); masked-LM data is documents: set data.format=text"
         )
 
@@ -191,9 +215,10 @@ def iter_documents(cfg: DataConfig, stats: RowStats | None = None) -> Iterator[D
     """Documents of the configured corpus in a fixed order (truncated to max_documents).
     stats: filled with what became of the rows read (unusable, empty, empty files)."""
     if cfg.source == "builtin":
-        if cfg.pairs:
+        if cfg.pairs or cfg.chat:
+            what = "prompt/response rows" if cfg.pairs else "conversations"
             raise CorpusError(
-                "data.source=builtin holds documents, not prompt/response rows; point "
+                f"data.source=builtin holds documents, not {what}; point "
                 "data.source at jsonl/parquet files or an hf: dataset, or set data.format=text"
             )
         it = _iter_builtin()
@@ -259,6 +284,8 @@ def load_tokenizer(path: str | Path):
 
 
 def eos_id(tok) -> int:
+    """The end-of-document token that text packs between documents: the first of SPECIAL_EOS
+    the vocabulary has."""
     for name in SPECIAL_EOS:
         i = tok.token_to_id(name)
         if i is not None:
@@ -266,3 +293,33 @@ def eos_id(tok) -> int:
     raise ConfigError(
         f"tokenizer has none of the end-of-document tokens {', '.join(SPECIAL_EOS)}; add one"
     )
+
+
+def hf_tokenizer_dir(spec: str) -> Path | None:
+    """data.tokenizer's directory where it is a Hugging Face one (it holds a
+    tokenizer_config.json: special tokens, maybe a chat template); None for 'bpe', a bare
+    tokenizer.json, or a directory without one."""
+    if spec == "bpe":
+        return None
+    p = resolve_package_path(spec, "data.tokenizer")
+    return p if p.is_dir() and (p / "tokenizer_config.json").is_file() else None
+
+
+def load_hf_tokenizer(path: Path):
+    """transformers' tokenizer of the local directory `path` (nothing downloaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds for an unloadable directory
+        raise ConfigError(f"data.tokenizer {path}: transformers cannot load it ({e})") from None
+
+
+def pair_eos(spec: str, tok) -> int:
+    """The token ending a pair's response (format prompt_response): the tokenizer's own eos
+    where data.tokenizer is a Hugging Face directory that names one (a chat model's
+    <|im_end|>, not the <|endoftext|> text packs between documents), else eos_id(tok)."""
+    hf_dir = hf_tokenizer_dir(spec)
+    name = load_hf_tokenizer(hf_dir).eos_token if hf_dir is not None else None
+    i = tok.token_to_id(str(name)) if name is not None else None
+    return eos_id(tok) if i is None else i
