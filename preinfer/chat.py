@@ -1,7 +1,7 @@
 """Conversations rendered with the user's tokenizer's own chat template, and which of their
 tokens are targets (data.format=chat; prompt_response with data.pairs_as_chat).
 
-    chat = ChatTemplate.load(data.tokenizer, tok)   # a CorpusError where there is no template
+    chat = ChatTemplate.load(data.tokenizer, tok)   # a ConfigError where there is no template
     [(ids, target)] = chat.encode([doc])            # ids (n,) int32, target (n,) bool
 
 The conversation is rendered whole (`apply_chat_template`, no generation prompt) and encoded
