@@ -2,7 +2,7 @@
 chat template; exact masks (assistant tokens and their <|im_end|> are targets; system, user,
 role headers and separators are not), multi-turn, one-line errors that write nothing, a
 fingerprint that follows the template, prompt_response ending at the tokenizer's own eos (and
-rendered through the template with data.pairs_as_chat), and tokenize -> init -> bcd -> eval.
+rendered through the template with data.pairs_as_chat), and tokenize -> init -> train -> eval.
 
 The user's tokenizer: a tiny byte-level BPE saved with save_pretrained, ChatML as SmolLM2 has
 it (a default system turn when the conversation has none), <|endoftext|> 0, bos
@@ -14,14 +14,15 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
-from pipelines.bcd import run_bcd
 from pipelines.cli import main
 from pipelines.eval import run_eval
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
 from preinfer.loss import IGNORE
 from preinfer.tokenization import is_val, iter_documents, load_tokenizer
+from preinfer.visit import Visit, VisitSpec
 from storage.tokens import TokenStoreError
 from tests.pipeline_fixtures import TINY, quiet, tiny_cfg
 
@@ -273,14 +274,18 @@ def test_pairs_end_at_the_tokenizers_own_eos_or_render_through_its_template(tmp_
                                   np.where(target[1:], want[1:], IGNORE))  # fmt: skip
 
 
-def test_tokenize_init_bcd_eval_on_chat_data(tmp_path, chat_tok):
+def test_tokenize_init_train_eval_on_chat_data(tmp_path, chat_tok):
+    """A training visit (block 0, from the token store: the loop `preinfer train` and `bcd`
+    run) on chat data lowers the val loss over assistant tokens; the full BCD rotation on chat
+    data (caches carrying the masks) is the real-model target test's."""
     src = write_chats(tmp_path / "chat.jsonl", n=120)
     cfg = chat_cfg(tmp_path / "run", src, chat_tok, "train.max_steps=8", "train.eval_every=0",
                    "partition.num_blocks=2", "train.lr=0.01")  # fmt: skip
     run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
     before = run_eval(cfg, log=quiet)
-    run_bcd(cfg, log=quiet)
+    Visit(cfg, VisitSpec(block=0, mode="bcd"), device=torch.device("cpu")).run(log=quiet)
     after = run_eval(cfg, log=quiet)
     assert before["targets"] == after["targets"] == "assistant"
+    assert after["tokens"] == before["tokens"]
     assert after["loss"] < before["loss"] - 0.5, (before["loss"], after["loss"])
