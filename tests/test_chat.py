@@ -54,8 +54,15 @@ def conversation(i: int) -> list[dict]:
 
 
 def write_chats(path, n: int = 80, bad: list[dict] | None = None):
+    """jsonl, or parquet (a list<struct<role, content>> column) by the suffix of `path`."""
     rows = [{"id": i, "messages": conversation(i)} for i in range(n)] + (bad or [])
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
@@ -129,8 +136,9 @@ def reference_rows(cfg, split, tok):
     return ids, labels, dropped
 
 
-def test_masks_are_the_assistant_turns_and_their_end_of_turn_exactly(tmp_path, chat_tok):
-    src = write_chats(tmp_path / "chat.jsonl")
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_masks_are_the_assistant_turns_and_their_end_of_turn_exactly(tmp_path, chat_tok, suffix):
+    src = write_chats(tmp_path / f"chat{suffix}")
     cfg = chat_cfg(tmp_path / "run", src, chat_tok)
     said = []
     store = run_tokenize(cfg, log=said.append)
