@@ -26,7 +26,8 @@ best; wall-clock ratio = BCD seconds to it / full's seconds to its best (clocks:
 product does minus every evaluation). Every arm's lr is swept over Scale.lrs: full's best lr
 has the lowest median best ppl over seeds; a BCD arm's the lowest median B-F multiplier (not
 reached = infinite; ties: lowest median ppl). A best lr at the grid's edge is flagged: widen the
-sweep. Medians and [min, max] over seeds; arms interleaved (the lr x arm order rotated per seed);
+sweep. Medians and [min, max] over seeds; arms interleaved (the lr x arm order rotated per seed;
+full's runs come first, since every BCD arm needs its target);
 the load average at every arm's start and end. Output: a printed table and
 bench/results/study[-quick|-tiny]-<time>.json (no machine paths).
 """
