@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -207,6 +209,7 @@ def _run(args, over: list[str], tag: str) -> dict:
                  "block": K, "micro_batch": args.micro_batch, "repeats": args.repeats,
                  "documents": args.documents, "s3": args.s3, "codec": cfg.cache.codec,
                  "codec_threads": cfg.cache.codec_threads, "load_before": load_average(),
+                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                  "arms": {}}  # fmt: skip
     batches = build_inputs(cfg, K)
     assert sum(x.shape[0] * x.shape[1] for b in batches for x in b) == ntok, "bare != build rows"
@@ -263,7 +266,8 @@ def table(res: dict) -> str:
     lines = [
         f"workload: {res['tokens']:,} tokens (train+val), cache {res['dtype']}, compute "
         f"{res['compute']}, micro-batch {res['micro_batch']}, {res['threads']} threads, "
-        f"{res['repeats']} paired repeats after one warm-up; load average before "
+        f"{res['repeats']} paired repeats after one warm-up; OMP_WAIT_POLICY "
+        f"{res['omp_wait_policy']}; load average before "
         f"{res['load_before']}, after {res['load_after']}"
         + (f"; overrides: {' '.join(res['set'])}" if res.get("set") else ""),
         "",
@@ -294,6 +298,17 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def ensure_omp_wait(policy: str, argv: list[str]) -> None:
+    """Run this bench under OMP_WAIT_POLICY=policy (libgomp reads it once, at start: the
+    process is started again with it set when it differs). With libgomp's default (spin), a
+    bare forward's 2 OpenMP threads spin at every barrier; the build has more threads than
+    CPUs, where libgomp throttles the spin, so on a busy machine the same forward cost the
+    bare arm 2x the CPU seconds of the build (docs/writer.md). passive: neither spins."""
+    if policy != "default" and os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
+        env = {**os.environ, "OMP_WAIT_POLICY": policy.upper()}
+        os.execve(sys.executable, [sys.executable, "-m", "bench.preinfer_throughput", *argv], env)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/demo.yaml")
@@ -312,7 +327,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--s3", action="store_true", help="cache.root on a moto S3 server")
     ap.add_argument("--bare-threads", type=int, nargs="*", default=[],
                     help="also the bare forward on these torch thread counts (e.g. 1)")  # fmt: skip
+    ap.add_argument("--omp-wait", default="passive", choices=["passive", "active", "default"],
+                    help="OMP_WAIT_POLICY of the bench process (default: libgomp's own)")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    ensure_omp_wait(args.omp_wait, argv)
     if args.quick:
         args.documents = min(args.documents, 20)
     res = run(args)
