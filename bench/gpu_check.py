@@ -9,7 +9,10 @@ Steps (each recorded, a failure does not stop the others):
   demo       the demo with bf16 autocast training from the cache (run.device=cuda)
   memory     torch.cuda.max_memory_allocated of a cache-fed visit (last block) and of a build,
              beside the planner's estimates
-  throughput a cache build against the bare forward of the same prefix, on the GPU
+  throughput a cache build against the bare forward of the same compute, on the GPU
+             (bench/preinfer_throughput.py, run.device=cuda, in process, 3 paired repeats)
+  writer     the cache writer alone on this host's CPUs (bench/writer.py, local disk, 1-8
+             encoder threads): MB per core-second beside the GPU's output rate
 """
 
 from __future__ import annotations
@@ -104,12 +107,22 @@ def step_memory(out: Path) -> dict:
     return res
 
 
+def _bench(out: Path, name: str, args: list[str], timeout: int) -> dict:
+    r = subprocess.run([sys.executable, "-m", f"bench.{name}", *args,
+                        "--out", str(out / f"{name}.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    (out / f"{name}.log").write_text(r.stdout + r.stderr)
+    return {"ok": r.returncode == 0, "tail": (r.stdout + r.stderr)[-2500:]}
+
+
 def step_throughput(out: Path) -> dict:
-    r = subprocess.run([sys.executable, "-m", "bench.preinfer_throughput", "--quick",
-                        "--arms", "throughput", "--repeats", "1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
-    (out / "throughput.log").write_text(r.stdout + r.stderr)
-    return {"ok": r.returncode == 0, "tail": (r.stdout + r.stderr)[-1500:]}
+    return _bench(out, "preinfer_throughput", ["--quick", "--repeats", "3", "--work",
+                  str(out / "throughput"), "--set", "run.device=cuda"], 240)  # fmt: skip
+
+
+def step_writer(out: Path) -> dict:
+    return _bench(out, "writer", ["--quick", "--targets", "local", "--threads", "1", "2", "4",
+                                  "8", "--dir", str(out)], 150)  # fmt: skip
 
 
 def main(argv=None) -> dict:
@@ -117,8 +130,13 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
     res["imports"] = step_imports()
-    for name, fn in (("parity", step_parity), ("demo", step_demo), ("memory", step_memory),
-                     ("throughput", step_throughput)):  # fmt: skip
+    steps = {"parity": step_parity, "demo": step_demo, "memory": step_memory,
+             "throughput": step_throughput, "writer": step_writer}  # fmt: skip
+    only = list((argv or sys.argv[1:])[1:]) or list(steps)  # e.g. OUT throughput writer
+    if set(only) - set(steps):
+        raise SystemExit(f"gpu_check: unknown step(s) {sorted(set(only) - set(steps))}; "
+                         f"choose from {', '.join(steps)}")  # fmt: skip
+    for name, fn in ((n, steps[n]) for n in only):
         t0 = time.perf_counter()
         try:
             res[name] = fn(out)

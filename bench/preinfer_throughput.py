@@ -1,42 +1,54 @@
-"""Pre-inference throughput: `cache build` end to end vs the bare forward of the same prefix.
+"""Pre-inference throughput: `cache build` end to end vs the bare forward of the same compute.
 
-    .venv/bin/python -m bench.preinfer_throughput [--documents 600] [--repeats 2]
+    .venv/bin/python -m bench.preinfer_throughput --quick            # in process vs bare, x5
+    .venv/bin/python -m bench.preinfer_throughput --quick --arms throughput actors
+    .venv/bin/python -m bench.preinfer_throughput --arms refresh
 
-In one run on one machine, over the demo model cut into one block per layer:
-- tokens/s of `cache build --block K` (Ray already started; actor start-up, token reads,
-  forward, encoding, checksums, fsync and the manifest all included) vs the bare in-memory
-  forward of blocks 0..K-1 in the same dtype and micro-batch, on all threads of this process;
-- in process (preinfer.executor=local, the default on one machine) vs 1 and 2 Ray actors;
-- refresh of boundary K from K-1 vs build of K from tokens, for K = 2 and 3 (ideal ≈ 1/K of
-  the compute when blocks are equal; the ideal from bare forwards is printed beside it), end to
-  end and in worker seconds (the actors' summed per-shard read + compute + write time: what
-  grows with the data, without the job's fixed actor start-up, planning and manifest).
+The reference holds still: the bare forward computes exactly what the build computes. It runs
+`preinfer.prefix.forward_prefix` (the build's own function: same compute dtype, same rounding
+at block boundaries) over the build's own input rows (read from the caches the build plans, in
+row order), cut into the build's micro-batches (per shard, so a shard's last micro-batch is as
+short as the build's), on the same threads (`pin_threads`, as the worker pins them). Each arm
+runs once untimed first (oneDNN builds its kernels per shape on first use; the build's
+process is warm for every arm after that), then the arms alternate, --repeats times, in
+A B / B A order so a drift of the machine's speed lands on both. The ratio is taken per
+repeat (build seconds against the bare forward timed next to it); the median and the spread
+(min..max) of those ratios and of each arm's seconds are reported, with the load average.
 
-The demo blocks are one layer of H=128: a shard's encode/decode (blosc-zstd) costs a good part
-of a block's compute there. `--set model.hidden_size=512 model.num_heads=8 --arms refresh`
-measures the same on blocks with more compute per stored byte (own work dir per --set).
+Arms: throughput = bare forward vs build in process (preinfer.executor=local);
+actors = the same with 2 Ray actors (and 1), each repeat next to a bare forward;
+overlap = build in process with preinfer.write_queue=0 (each shard compressed whole after its
+compute) vs the config's queue (each micro-batch compressed while the next computes);
+refresh = refresh of boundary K from K-1 vs build of K from tokens, K = 2, 3.
+--s3 puts cache.root on a moto S3 server (its own process; bench/writer.py's), the writer's
+slowest link.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from bench.harness import load_average, results_path, write_results
+from bench.writer import moto_server
 from pipelines.cache_build import build_cache, refresh_cache
 from pipelines.init import run_init
 from pipelines.ray_env import ensure_ray
 from pipelines.tokenize import run_tokenize
-from preinfer.adapters import forward_blocks
 from preinfer.cache_identity import compute_choice, plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
-from preinfer.device import torch_dtype
+from preinfer.device import pin_threads, resolve_device, torch_dtype
+from preinfer.prefix import forward_prefix
+from storage.cache import CacheWriter
 from storage.layout import remove_cache
 from storage.tokens import TokenStore
 
@@ -50,39 +62,55 @@ def tokens_total(cfg) -> int:
     return (store.num_samples("train") + store.num_samples("val")) * store.seq_len
 
 
-def bare_forward(cfg, block: int, first: int = 0) -> float:
-    """Seconds of the bare forward of blocks [first, block) over all samples, in memory, in the
-    fastest dtype this machine runs (the compute dtype a build resolves: fp32 on a CPU without
-    native bf16, where a bf16 matmul is ~50x slower)."""
-    ckpt = Checkpoint.open(cfg.run.checkpoint)
-    dtype = torch_dtype(compute_choice(cfg).compute)
-    model, adapter = ckpt.load(range(first, block))
-    model.to(dtype).eval()
-    store = TokenStore(cfg.data.out_dir)
+def build_inputs(cfg, block: int) -> list[list[torch.Tensor]]:
+    """The build's micro-batches of token ids (n <= micro_batch, S) long, per shard, in its
+    order: per cache (train, val), per shard, the shard's rows cut every micro_batch rows."""
     mb = cfg.preinfer.micro_batch
-    batches = []
-    for split in ("train", "val"):
-        ids = torch.from_numpy(store.read(split, 0, store.num_samples(split))[:, :-1]).long()
-        batches += list(ids.split(mb))
-    if first > 0:  # the input of a refresh: hidden entering block `first`, in one tensor as a
-        # worker holds a decoded shard (a list of per-batch outputs, interleaved with the
-        # forward's temporaries, fragments the heap and slowed the timed loop by up to 1.5x)
-        m0, a0 = ckpt.load(range(first))
-        m0.to(dtype).eval()
-        sizes = [len(x) for x in batches]
-        hidden = torch.empty((sum(sizes), batches[0].shape[1], a0.hidden_size), dtype=dtype)
-        with torch.inference_mode():
-            for h, x in zip(hidden.split(sizes), batches, strict=True):
-                h.copy_(forward_blocks(a0, ckpt.partition, x, 0, first))
-        del m0, a0
-        batches = list(hidden.split(sizes))
-    with torch.inference_mode():  # warm: oneDNN builds its bf16 kernels on first use
-        forward_blocks(adapter, ckpt.partition, batches[0], first, block)
-    t0 = time.perf_counter()
+    out = []
+    for p in plan_caches(cfg, block):  # creates the writers (samples.parquet): the build's rows
+        w = CacheWriter.open(cfg.cache.root, p.fingerprint)
+        for s in range(w.num_shards):
+            ids = torch.from_numpy(np.array(w.read_input_ids(*w.shard_range(s)))).long()
+            out.append(list(ids.split(mb)))
+    return out
+
+
+class BareForward:
+    """Blocks [first, block) of the checkpoint over given shards' micro-batches, as a worker
+    runs them (PrefixWorker._compute): each micro-batch's output kept until its shard's are
+    joined into one (n, S, H) tensor. Keeping them matters on a CPU: freed at once, glibc
+    hands the heap top back to the OS and the next micro-batch page-faults it in again (a
+    bare forward that dropped its outputs used 1.6x the CPU seconds of the build)."""
+
+    def __init__(self, cfg, block: int, first: int = 0):
+        choice = compute_choice(cfg)
+        self.dtype = torch_dtype(choice.compute)
+        self.round_to = torch_dtype(choice.round_to) if choice.round_to else None
+        ckpt = Checkpoint.open(cfg.run.checkpoint)
+        self.part, self.first, self.block = ckpt.partition, first, block
+        self.device = resolve_device(cfg.run.device)
+        self.model, self.adapter = ckpt.load(range(first, block), device=self.device)
+        self.model.to(self.dtype).eval()
+
+    @torch.inference_mode()
+    def __call__(self, shards: list[list[torch.Tensor]]) -> float:
+        """Seconds of the forward of every micro-batch, input to the device and output back
+        to the host as a worker moves them (a no-op on a CPU)."""
+        t0 = time.perf_counter()
+        for batches in shards:
+            torch.cat([forward_prefix(self.adapter, self.part, x.to(self.device), self.first,
+                                      self.block, dtype=self.dtype,
+                                      round_to=self.round_to).cpu() for x in batches])  # fmt: skip
+        return time.perf_counter() - t0
+
+
+def refresh_inputs(cfg, block: int, shards: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """The hidden entering block-1 for each micro-batch (what a refresh of `block` reads)."""
+    f = BareForward(cfg, block - 1)
     with torch.inference_mode():
-        for x in batches:
-            forward_blocks(adapter, ckpt.partition, x, first, block)
-    return time.perf_counter() - t0
+        return [[forward_prefix(f.adapter, f.part, x, 0, block - 1, dtype=f.dtype,
+                                round_to=torch_dtype(cfg.cache.dtype)) for x in b]
+                for b in shards]  # fmt: skip
 
 
 PHASES = ("read_s", "compute_s", "write_s")  # pipelines.cache_build.PHASES
@@ -98,24 +126,48 @@ def timed_build(cfg, block: int, fn=build_cache, phases: list | None = None) -> 
     assert res["action"] in ("built", "refreshed"), res
     if phases is not None:
         phases.append({**{k: res[k] for k in PHASES}, "startup_s": res["startup_s"],
-                       "seconds": res["seconds"]})  # fmt: skip
+                       "seconds": res["seconds"], "executor": res["executor"]})  # fmt: skip
     return time.perf_counter() - t0
 
 
-def worker_seconds(phases: list[dict]) -> float:
-    """Median over runs of the workers' summed read + compute + write seconds."""
-    return statistics.median(sum(p[k] for k in PHASES) for p in phases)
+def with_threads(n: int, fn):
+    """fn() on n torch threads, then back to the process's count."""
+    was = torch.get_num_threads()
+    pin_threads(n)
+    try:
+        return fn()
+    finally:
+        pin_threads(was)
 
 
-def after_startup(phases: list[dict]) -> float:
-    """Median over runs of the job's seconds from the first shard begun to the last written:
-    without actor start-up (process spawn, imports, weight loading), a fixed cost per job."""
-    return statistics.median(p["seconds"] - p["startup_s"] for p in phases)
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs),
+            "values": xs}  # fmt: skip
 
 
-def ensure_current(cfg, block: int) -> None:
-    if not all(p.complete for p in plan_caches(cfg, block, create=False)):
-        build_cache(cfg, block, log=quiet)
+def paired(bare_fn, build_fns: dict, repeats: int) -> dict:
+    """Each arm once untimed, then `repeats` rounds alternating order; per-round ratios
+    bare seconds / arm seconds (speed of the arm relative to the bare forward), by wall clock
+    and by this process's CPU seconds (user + system of every thread: the work done, less
+    moved by what else the machine runs; Ray actors' CPU is not in it)."""
+    arms = {"bare": bare_fn, **build_fns}
+    for fn in arms.values():  # warm-up: kernels per shape, page cache, Ray workers
+        fn()
+    secs: dict[str, list[float]] = {k: [] for k in arms}
+    cpu: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(repeats):
+        order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+        for k in order:
+            c0 = time.process_time()
+            secs[k].append(arms[k]())
+            cpu[k].append(time.process_time() - c0)
+    out = {"seconds": {k: spread(v) for k, v in secs.items()},
+           "cpu_seconds": {k: spread(v) for k, v in cpu.items()}}  # fmt: skip
+    out["ratio"] = {k: spread([b / a for b, a in zip(secs["bare"], secs[k], strict=True)])
+                    for k in build_fns}  # fmt: skip
+    out["cpu_ratio"] = {k: spread([b / a for b, a in zip(cpu["bare"], cpu[k], strict=True)])
+                        for k in build_fns}  # fmt: skip
+    return out
 
 
 def run(args) -> dict:
@@ -133,113 +185,128 @@ def run(args) -> dict:
         "train.eval_batches=0",
         *args.set,
     ]
+    server = None
+    if args.s3:
+        server, url = moto_server()
+        over += [f"cache.root=s3://bench/{tag}", f"storage.endpoint_url={url}",
+                 "storage.key=testing", "storage.secret=testing", "storage.region=us-east-1"]  # fmt: skip
+    try:
+        return _run(args, over, tag)
+    finally:
+        if server is not None:
+            server.kill()
+
+
+def _run(args, over: list[str], tag: str) -> dict:
     cfg = load_config(args.config, over)
     run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
     ntok = tokens_total(cfg)
-    ensure_ray()  # excluded from every timing
-    threads = torch.get_num_threads()
-    rows = {}
-
-    def med(fn, n=args.repeats):
-        return statistics.median(fn() for _ in range(n))
-
+    threads = pin_threads()  # as PrefixWorker pins them
     K = args.block
-    headline: dict = {"tokens": ntok}
-    bare = None
+    res: dict = {"bench": "preinfer_throughput", "tokens": ntok, "dtype": args.dtype,
+                 "compute": compute_choice(cfg).compute, "set": args.set, "threads": threads,
+                 "block": K, "micro_batch": args.micro_batch, "repeats": args.repeats,
+                 "documents": args.documents, "s3": args.s3, "codec": cfg.cache.codec,
+                 "codec_threads": cfg.cache.codec_threads, "load_before": load_average(),
+                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+                 "arms": {}}  # fmt: skip
+    batches = build_inputs(cfg, K)
+    assert sum(x.shape[0] * x.shape[1] for b in batches for x in b) == ntok, "bare != build rows"
+    bare = BareForward(cfg, K)
+    local = load_config(args.config, [*over, "preinfer.executor=local"])
     if "throughput" in args.arms:
-        bare = med(lambda: bare_forward(cfg, K))
-        c = load_config(args.config, [*over, "preinfer.executor=local"])
-        rows[f"build K={K}, in process"] = med(lambda c=c: timed_build(c, K))
-        for actors in (2, 1):
-            c = load_config(args.config, [*over, "preinfer.executor=ray",
-                                          f"preinfer.actors={actors}"])  # fmt: skip
-            rows[f"build K={K}, {actors} actor(s)"] = med(lambda c=c: timed_build(c, K))
-        rows[f"bare forward K={K} ({threads} threads)"] = bare
-        b0 = rows[f"build K={K}, in process"]
-        b2, b1 = rows[f"build K={K}, 2 actor(s)"], rows[f"build K={K}, 1 actor(s)"]
-        headline["build in process / bare forward (target >= 0.9)"] = bare / b0
-        headline["build (2 actors) / bare forward"] = bare / b2
-        headline["2 actors / 1 actor speed"] = b1 / b2
-    refresh = {}
+        fns = {"in process": lambda: timed_build(local, K)}
+        for n in args.bare_threads:  # the bare forward on other thread counts, for contrast
+            fns[f"bare, {n} thread(s)"] = lambda n=n: with_threads(n, lambda: bare(batches))
+        res["arms"]["throughput"] = paired(lambda: bare(batches), fns, args.repeats)
+    if "overlap" in args.arms:
+        q0 = load_config(args.config, [*over, "preinfer.executor=local", "preinfer.write_queue=0"])
+        res["arms"]["overlap"] = paired(
+            lambda: bare(batches),
+            {"write_queue=0": lambda: timed_build(q0, K),
+             f"write_queue={local.preinfer.write_queue}": lambda: timed_build(local, K)},
+            args.repeats,
+        )  # fmt: skip
+    if "actors" in args.arms:
+        ensure_ray()  # excluded from every timing
+        fns, ph = {}, {}
+        for n in args.actors:
+            c = load_config(args.config, [*over, "preinfer.executor=ray", f"preinfer.actors={n}"])
+            ph[n] = []
+            fns[f"{n} actor(s)"] = lambda c=c, p=ph[n]: timed_build(c, K, phases=p)
+        res["arms"]["actors"] = paired(lambda: bare(batches), fns, args.repeats)
+        # where an actor build's seconds go: start-up (spawn, imports, weights) before its
+        # first shard, the workers' summed phases, and the rest (plan, finalize)
+        res["arms"]["actors"]["phases"] = {n: p[1:] for n, p in ph.items()}  # after warm-up
     for k in (2, 3) if "refresh" in args.arms else ():
-        ensure_current(cfg, k - 1)  # the refresh's source stays; only boundary k is redone
+        if not all(p.complete for p in plan_caches(local, k - 1, create=False)):
+            build_cache(local, k - 1, log=quiet)  # the refresh's source stays
+        bk = build_inputs(local, k)
+        one = BareForward(local, k, first=k - 1)
+        hid = refresh_inputs(local, k, bk)
+        full = BareForward(local, k)
         bp: list[dict] = []
         rp: list[dict] = []
-        build_t = med(lambda k=k, bp=bp: timed_build(cfg, k, phases=bp))
-        refresh_t = med(lambda k=k, rp=rp: timed_build(cfg, k, refresh_cache, rp))
-        ideal = med(lambda k=k: bare_forward(cfg, k, first=k - 1)) / med(
-            lambda k=k: bare_forward(cfg, k)
-        )
-        refresh[k] = {
-            "build_s": build_t,
-            "refresh_s": refresh_t,
-            "refresh_over_build": refresh_t / build_t,
-            "build_worker_s": worker_seconds(bp),
-            "refresh_worker_s": worker_seconds(rp),
-            "worker_refresh_over_build": worker_seconds(rp) / worker_seconds(bp),
-            "startup_s": [p["startup_s"] for p in bp + rp],
-            "steady_refresh_over_build": after_startup(rp) / after_startup(bp),
-            # the workers' compute alone (no read, encode or write): what 1/K is about
-            "compute_refresh_over_build": statistics.median(p["compute_s"] for p in rp)
-            / statistics.median(p["compute_s"] for p in bp),
-            "build_phases": bp,
-            "refresh_phases": rp,
-            "ideal_bare": ideal,
-            "one_over_k": 1 / k,
-        }
-        headline[f"refresh/build K={k} (ideal {ideal:.2f})"] = refresh_t / build_t
-        headline[f"refresh/build K={k}, worker seconds"] = refresh[k]["worker_refresh_over_build"]
-        headline[f"refresh/build K={k}, after actor start-up"] = refresh[k][
-            "steady_refresh_over_build"
-        ]
-    return {
-        "bench": "preinfer_throughput",
-        "headline": headline,
-        "tokens": ntok,
-        "dtype": args.dtype,
-        "set": args.set,
-        "threads": threads,
-        "block": K,
-        "seconds": rows,
-        "tokens_per_s": {k: ntok / v for k, v in rows.items()},
-        "build_over_bare": {k: (ntok / v) / (ntok / bare) for k, v in rows.items()} if bare else {},
-        "refresh": refresh,
-        "repeats": args.repeats,
-    }
+        r = paired(lambda full=full, bk=bk: full(bk),
+                   {"build": lambda k=k, bp=bp: timed_build(local, k, phases=bp),
+                    "refresh": lambda k=k, rp=rp: timed_build(local, k, refresh_cache, rp),
+                    "bare refresh": lambda one=one, hid=hid: one(hid)}, args.repeats)  # fmt: skip
+        r["phases"] = {"build": bp, "refresh": rp}
+        r["refresh_over_build"] = statistics.median(
+            a / b for a, b in zip(r["seconds"]["refresh"]["values"],
+                                  r["seconds"]["build"]["values"], strict=True))  # fmt: skip
+        r["ideal"] = r["seconds"]["bare refresh"]["median"] / r["seconds"]["bare"]["median"]
+        res["arms"][f"refresh K={k}"] = r
+    res["load_after"] = load_average()
+    return res
 
 
 def table(res: dict) -> str:
     lines = [
-        f"workload: {res['tokens']:,} tokens (train+val), dtype {res['dtype']}, "
-        f"medians of {res['repeats']}"
-        + (f", overrides: {' '.join(res['set'])}" if res.get("set") else ""),
+        f"workload: {res['tokens']:,} tokens (train+val), cache {res['dtype']}, compute "
+        f"{res['compute']}, micro-batch {res['micro_batch']}, {res['threads']} threads, "
+        f"{res['repeats']} paired repeats after one warm-up; OMP_WAIT_POLICY "
+        f"{res['omp_wait_policy']}; load average before "
+        f"{res['load_before']}, after {res['load_after']}"
+        + (f"; overrides: {' '.join(res['set'])}" if res.get("set") else ""),
+        "",
+        "| arms | arm | seconds median (min..max) | tokens/s | bare / arm median (min..max) "
+        "| CPU seconds | bare / arm by CPU seconds |",
+        "|---|---|---|---|---|---|---|",
     ]
-    if res["seconds"]:
-        lines += ["", "| arm | seconds | tokens/s | vs bare forward |", "|---|---|---|---|"]
-    for k, s in res["seconds"].items():
-        lines.append(
-            f"| {k} | {s:.1f} | {res['tokens_per_s'][k]:,.0f} | {res['build_over_bare'][k]:.2f} |"
+
+    def rng(r):
+        return (
+            "1 (reference)" if r is None else f"{r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f})"
         )
-    lines += (
-        []
-        if not res["refresh"]
-        else [
-            "",
-            "| boundary K | build s | refresh s | refresh/build | worker s build | worker s refresh "
-            "| refresh/build (worker s) | after actor start-up | compute only | ideal (bare) | 1/K |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-    )
-    for k, r in res["refresh"].items():
-        lines.append(
-            f"| {k} | {r['build_s']:.1f} | {r['refresh_s']:.1f} | "
-            f"{r['refresh_over_build']:.2f} | {r['build_worker_s']:.1f} | "
-            f"{r['refresh_worker_s']:.1f} | {r['worker_refresh_over_build']:.2f} | "
-            f"{r['steady_refresh_over_build']:.2f} | {r['compute_refresh_over_build']:.2f} | "
-            f"{r['ideal_bare']:.2f} | {r['one_over_k']:.2f} |"
-        )
+
+    for name, a in res["arms"].items():
+        for arm, s in a["seconds"].items():
+            lines.append(f"| {name} | {arm} | {s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}) "
+                         f"| {res['tokens'] / s['median']:,.0f} | {rng(a['ratio'].get(arm))} "
+                         f"| {a['cpu_seconds'][arm]['median']:.2f} "
+                         f"| {rng(a['cpu_ratio'].get(arm))} |")  # fmt: skip
+        for n, ps in (a.get("phases") or {}).items() if name == "actors" else ():
+            su = statistics.median(p["startup_s"] for p in ps)
+            work = statistics.median(sum(p[k] for k in PHASES) for p in ps)
+            lines.append(f"| {name} | {n} actor(s): start-up s / workers' read+compute+write s "
+                         f"| {su:.2f} / {work:.2f} | | | | |")  # fmt: skip
+        if "refresh_over_build" in a:
+            lines.append(f"| {name} | refresh / build seconds | {a['refresh_over_build']:.2f} "
+                         f"(ideal {a['ideal']:.2f}) | | | | |")  # fmt: skip
     return "\n".join(lines)
+
+
+def ensure_omp_wait(policy: str, argv: list[str]) -> None:
+    """Run this bench under OMP_WAIT_POLICY=policy (libgomp reads it once, at start: the
+    process is started again with it set when it differs). With libgomp's default (spin), a
+    bare forward's 2 OpenMP threads spin at every barrier; the build has more threads than
+    CPUs, where libgomp throttles the spin, so on a busy machine the same forward cost the
+    bare arm 2x the CPU seconds of the build (docs/writer.md). passive: neither spins."""
+    if policy != "default" and os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
+        env = {**os.environ, "OMP_WAIT_POLICY": policy.upper()}
+        os.execve(sys.executable, [sys.executable, "-m", "bench.preinfer_throughput", *argv], env)
 
 
 def main(argv=None) -> dict:
@@ -249,25 +316,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--micro-batch", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--actors", type=int, nargs="+", default=[2])
     ap.add_argument("--work", default="/tmp/preinfer-bench-throughput")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true", help="200 documents (make bench)")
+    ap.add_argument("--out", default=None, help="JSON path; default bench/results/<name>-<time>")
+    ap.add_argument("--quick", action="store_true", help="20 documents (make bench)")
     ap.add_argument("--set", nargs="+", default=[], help="config overrides (e.g. a wider model)")
-    ap.add_argument(
-        "--arms",
-        nargs="+",
-        default=["throughput", "refresh"],
-        choices=["throughput", "refresh"],
-        help="throughput: build vs bare forward, 1 vs 2 actors; refresh: refresh vs build",
-    )
+    ap.add_argument("--arms", nargs="+", default=["throughput"],
+                    choices=["throughput", "actors", "overlap", "refresh"])  # fmt: skip
+    ap.add_argument("--s3", action="store_true", help="cache.root on a moto S3 server")
+    ap.add_argument("--bare-threads", type=int, nargs="*", default=[],
+                    help="also the bare forward on these torch thread counts (e.g. 1)")  # fmt: skip
+    ap.add_argument("--omp-wait", default="passive", choices=["passive", "active", "default"],
+                    help="OMP_WAIT_POLICY of the bench process (default: libgomp's own)")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    ensure_omp_wait(args.omp_wait, argv)
     if args.quick:
-        args.documents = min(args.documents, 200)
+        args.documents = min(args.documents, 20)
     res = run(args)
     print(table(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2))
+    path = write_results(Path(args.out) if args.out else results_path("preinfer_throughput"), res)
+    print(f"results: {path.name}")
     return res
 
 

@@ -36,7 +36,8 @@ EXPORT = "export"
 # may change them
 _FREE = ("run.verbose", "run.tensorboard", "storage.", "preinfer.actors", "preinfer.cpus_per_",
          "preinfer.gpus_per_", "preinfer.executor", "preinfer.malloc_", "preinfer.shards_per_",
-         "preinfer.max_", "cache.codec_threads", "cache.keep", "train.cpus_per_worker")  # fmt: skip
+         "preinfer.max_", "preinfer.write_queue", "cache.codec_threads", "cache.keep",
+         "train.cpus_per_worker")  # fmt: skip
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

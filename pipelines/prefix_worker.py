@@ -3,7 +3,9 @@ or an object in the driver for a local build; pipelines/cache_build.py drives it
 
 It runs blocks [first, block) of the checkpoint over whole cache shards and writes them itself:
 token ids (build) or the boundary-(block-1) cache (refresh) in, hidden states entering `block`
-out, pipelined read / compute / write on two helper threads.
+out, pipelined read / compute / write on two helper threads; with preinfer.write_queue > 0 a
+third compresses each micro-batch's rows while the next micro-batch computes (a bounded queue),
+so a shard's write is left only its index, checksum, write and commit.
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ class PrefixWorker:
         self._sources: dict = {}  # fingerprint -> open boundary-(block-1) cache (refresh)
         # [0] reads the next shard's input, [1] encodes + writes the last computed shard
         self._lock = threading.Lock()
-        self._helpers = [ThreadPoolExecutor(1, thread_name_prefix=n) for n in ("input", "write")]
+        # [2] compresses computed micro-batches (write_queue > 0), at most write_queue queued
+        names = ("input", "write", "encode")[: 3 if self.cfg.preinfer.write_queue else 2]
+        self._helpers = [ThreadPoolExecutor(1, thread_name_prefix=n) for n in names]
+        self._queue = threading.BoundedSemaphore(max(1, self.cfg.preinfer.write_queue))
         self.on_phase = on_phase
         if on_phase is not None:
             on_phase("load")
@@ -87,17 +92,27 @@ class PrefixWorker:
             h.shutdown(wait=True)
 
     @torch.inference_mode()
-    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+    def _compute(self, x: torch.Tensor, fp: str | None = None) -> tuple[torch.Tensor, list]:
         """(n, S) ids or (n, S, H) hidden -> (n, S, H) hidden entering `block`, in micro-batches,
         one block at a time: with round_to set, each block's output (B, S, H) is rounded to the
-        stored dtype, so the hidden entering every block is what a cache of it would hold."""
+        stored dtype, so the hidden entering every block is what a cache of it would hold.
+        With write_queue > 0 and `fp` given, also the futures of each micro-batch's compressed
+        rows (CacheWriter.encode_rows), in order; the compute waits while write_queue of them
+        are not yet compressed (so memory stays bounded when the writer is the slower)."""
         mb = self.cfg.preinfer.micro_batch
-        outs = []
+        stream = fp is not None and len(self._helpers) > 2
+        writer = self._writer(fp) if stream else None
+        outs, encoded = [], []
         for i in range(0, len(x), mb):
             xi = forward_prefix(self.adapter, self.part, x[i : i + mb].to(self.device), self.first,
                                self.block, dtype=self.dtype, round_to=self.round_to)  # fmt: skip
             outs.append(xi.cpu())
-        return torch.cat(outs)
+            if stream:
+                self._queue.acquire()  # a slot in the bounded queue
+                fut = self._helpers[2].submit(writer.encode_rows, outs[-1])
+                fut.add_done_callback(lambda _: self._queue.release())
+                encoded.append(fut)
+        return torch.cat(outs), encoded
 
     def __call__(self, batch: dict) -> dict:
         """Compute and write the batch's shards; every one is written and committed (marker
@@ -119,13 +134,13 @@ class PrefixWorker:
                 if self.on_phase is not None:
                     self.on_phase("input")
                 t1 = time.perf_counter()
-                hidden = self._compute(x)
+                hidden, encoded = self._compute(x, fp)
                 t2 = time.perf_counter()
                 if self.on_phase is not None:
                     self.on_phase("compute")
                 if writing is not None:
                     out["write_s"].append(writing.result())  # the previous shard is committed
-                writing = self._helpers[1].submit(self._write, fp, shard, hidden)
+                writing = self._helpers[1].submit(self._write, fp, shard, hidden, encoded)
                 out["fingerprint"].append(fp)
                 out["shard"].append(shard)
                 out["rows"].append(rows)
@@ -162,9 +177,13 @@ class PrefixWorker:
             x = self._read_source(fp, start, stop)  # (n, S, H) in the cache dtype
         return x, stop - start, time.perf_counter() - t0
 
-    def _write(self, fp: str, shard: int, hidden: torch.Tensor) -> float:
+    def _write(self, fp: str, shard: int, hidden: torch.Tensor, encoded: list) -> float:
+        """Seconds this thread spent writing the shard (waiting for its last pieces to be
+        compressed included); encoded: futures of its micro-batches' compressed rows."""
         t0 = time.perf_counter()
-        self._writer(fp).write_shard(shard, hidden)
+        pieces = [f.result() for f in encoded]
+        whole = not pieces or any(p is None for p in pieces)  # a lossy cache: whole shards
+        self._writer(fp).write_shard(shard, hidden, encoded=None if whole else pieces)
         return time.perf_counter() - t0
 
     def _read_source(self, fp: str, start: int, stop: int) -> torch.Tensor:

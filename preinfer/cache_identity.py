@@ -47,6 +47,8 @@ class PreinferConfig:
     """glibc malloc arenas of a worker process (MALLOC_ARENA_MAX; fewer = a steadier peak); 0 = glibc's default."""
     shards_per_task: int = 2
     """Cache shards per worker call (a call pipelines read, compute and write of its shards)."""
+    write_queue: int = 4
+    """Micro-batches a worker holds computed but not yet compressed (a bounded queue: each is compressed on cache.codec_threads threads while the next computes); 0 = compress each shard whole once computed."""
     sample_fraction: float = 1.0
     """Fraction of train samples cached per round (deterministic per seed and round; part of the fingerprint)."""
     compute_dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -63,6 +65,11 @@ class PreinferConfig:
         for name in ("actors", "micro_batch", "shards_per_task"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"preinfer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.write_queue < 0:
+            raise ConfigError(
+                f"preinfer.write_queue must be >= 0 (0 = compress whole shards), got "
+                f"{self.write_queue}"
+            )
         if not 0.0 < self.sample_fraction <= 1.0:
             raise ConfigError(
                 f"preinfer.sample_fraction must be in (0, 1], got {self.sample_fraction}"

@@ -69,3 +69,38 @@ def run_flops(
         if mode == "bcd" and k > 0:  # boundary k made current before block k's visit
             pre += fl.preinfer(k) * (cached_rows + val_rows) * S
     return {"total": train + pre, "train": train, "preinfer": pre}
+
+
+# ---------------------------------------------------------------------------- the cache writer
+
+WRITER_MB_PER_CORE_S: dict[str, float] = {
+    "none": 547.0,
+    "zstd-1": 341.0,
+    "zstd-3": 323.0,
+    "blosc-zstd-1 byte": 257.0,
+    "blosc-zstd-3 byte": 112.0,
+}
+"""Cache writer throughput, MB (1e6) of stored values per CPU core-second, by codec key
+(writer_key): the median "MB per core-second" of bench/writer.py to a local disk, 1 encoder
+thread, bf16 H=4096 (docs/writer.md). What one core copies, compresses, checksums and writes."""
+
+WRITER_SOURCE = "bench/writer.py, local disk, 2-CPU Xeon under load (writer-20261201.json)"
+"""Where WRITER_MB_PER_CORE_S comes from."""
+
+
+def writer_key(codec: str, level: int, shuffle: str) -> str:
+    """The key of WRITER_MB_PER_CORE_S for a cache codec: none, zstd-<level>, blosc-zstd-<level>
+    <shuffle>."""
+    if codec == "none":
+        return "none"
+    return f"zstd-{level}" if codec == "zstd" else f"blosc-zstd-{level} {shuffle}"
+
+
+def writer_cores(
+    tokens_per_s: float, hidden: int, bytes_per_value: float, mb_per_core_s: float
+) -> dict:
+    """Cores one device's pre-inference output needs: tokens/s x H x bytes per stored value =
+    MB/s to encode and write, over what one core writes per second."""
+    mb_s = tokens_per_s * hidden * bytes_per_value / 1e6
+    return {"tokens_per_s": tokens_per_s, "mb_s": mb_s, "mb_per_core_s": mb_per_core_s,
+            "cores": mb_s / mb_per_core_s}  # fmt: skip

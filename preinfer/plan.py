@@ -27,6 +27,7 @@ from preinfer.memory import (
 )
 from preinfer.model_shape import model_shape
 from preinfer.partition import partition_layers
+from preinfer.writer_budget import format_writer, writer_plan
 from storage.layout import free_disk_bytes
 from storage.tokens import TokenStore
 
@@ -79,6 +80,12 @@ class PlanOptions:
     """Also cost full training on this card type: the card-change factor, reported apart."""
     compare_price: float | None = None
     """USD per card-hour of the compare card; null = its listed price."""
+    forward_tokens_s: float | None = None
+    """Pre-inference forward tokens/s per card (measured: bench/preinfer_throughput.py's bare forward); null = FLOPs / (peak x MFU) of the lightest boundary refresh."""
+    writer_mb_s: float | None = None
+    """Cache writer MB per core-second for cache.codec (measured: bench/writer.py); null = the figure preinfer/costmodel.py holds."""
+    host_cores: int | None = None
+    """CPU cores per card that encode and write the cache; null = this machine's CPUs / cards."""
     json: bool = False
     """Print the plan as JSON."""
 
@@ -191,6 +198,7 @@ def build_plan(cfg, o: PlanOptions) -> dict:
     kept = optimizer_state_bytes(p) * sh.params if cfg.train.keep_optimizer_state else 0
     plan["checkpoint"] = {"weights": weights, "optimizer_state": kept, "total": weights + kept}
     plan["cost"] = _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val)
+    plan["writer"] = writer_plan(cfg, o, sh, part, S, peak["infer"])
     return plan
 
 
@@ -319,6 +327,7 @@ def format_plan(plan: dict) -> str:
     else:
         out += ["", f"cache  {_gib(ca['per_1000_samples']['expected'])} GiB per 1000 samples; "
                 f"sample count {n['source']}"]  # fmt: skip
+    out.append(format_writer(plan["writer"]))
     ck = plan["checkpoint"]
     out += [f"checkpoint  {_gib(ck['total'])} GiB on disk at run.dir: {_gib(ck['weights'])} GiB "
             f"weights + {_gib(ck['optimizer_state'])} GiB optimizer state "

@@ -59,7 +59,7 @@ from storage.layout import (
     rows_per_shard,
 )
 from storage.samples import read_samples, samples_arrays, samples_table
-from storage.shard_codec import encode_shard_parts, shard_key
+from storage.shard_codec import encode_shard_parts, shard_codec, shard_key
 from storage.stats import (
     combine_stats,
     count_nonfinite,
@@ -268,11 +268,29 @@ class CacheWriter:
         """Shards without a marker whose files match (checksum too unless verify=False)."""
         return [i for i in range(self.num_shards) if self._marker(i, verify=verify) is None]
 
-    def write_shard(self, i: int, hidden: Any) -> dict:
+    def encode_rows(self, rows: Any) -> tuple[list, np.ndarray] | None:
+        """The compressed chunks of hidden rows (n, S, H), ahead of write_shard: a worker
+        compresses each micro-batch while the next computes, then hands write_shard the pieces
+        of a shard in row order (its bytes are the same as from the whole shard at once). None
+        where the cache does not take pieces (a lossy dtype: its scales are encoded per shard)."""
+        if is_lossy(self.header["dtype"]):
+            return None
+        codec = shard_codec(self._json[HIDDEN])
+        if not codec.fast:
+            return None
+        try:
+            stored, _ = encode(_as_float_tensor(rows), self.header["dtype"], check_finite=False)
+            return codec.encode_chunks(stored)
+        except CodecError as e:
+            raise CacheError(f"hidden rows {tuple(getattr(rows, 'shape', ()))}: {e}") from None
+
+    def write_shard(self, i: int, hidden: Any, encoded: list | None = None) -> dict:
         """Encode and commit shard i from hidden [stop-start, S, H] fp32/fp16/bf16 values.
 
-        Returns the shard's marker. Rewriting a shard with the same values writes the same
-        bytes. On a complete cache, only an identical rewrite is accepted (then a no-op).
+        encoded: encode_rows of consecutive row blocks of `hidden`, in order (the compression
+        done already); None = compress here. Returns the shard's marker. Rewriting a shard with
+        the same values writes the same bytes. On a complete cache, only an identical rewrite
+        is accepted (then a no-op).
         """
         start, stop = self.shard_range(i)
         h = self.header
@@ -288,8 +306,17 @@ class CacheWriter:
             stored, scale = encode(given, dtype, check_finite=False)
         except CodecError as e:
             raise CacheError(f"shard {i} (rows {start}..{stop}): {e}") from None
+        if encoded is not None and is_lossy(h["dtype"]):
+            raise CacheError(f"shard {i}: a {h['dtype']} cache takes whole shards, not pieces")
+        if encoded is not None and sum(len(z) for _, z in encoded) != stop - start:
+            raise CacheError(
+                f"shard {i}: the encoded pieces hold {sum(len(z) for _, z in encoded)} rows, "
+                f"the shard {stop - start}; hand write_shard every piece of the shard, in order"
+            )
         parts = {
             f"{HIDDEN}/{shard_key(i, 3)}": encode_shard_parts(self._json[HIDDEN], i, start, stored)
+            if encoded is None
+            else shard_codec(self._json[HIDDEN]).assemble(i, start, encoded)
         }
         if scale is not None:
             parts[f"{SCALE}/{shard_key(i, 2)}"] = encode_shard_parts(

@@ -217,21 +217,34 @@ class ShardCodec:
         """Buffers whose concatenation is shard `shard`'s bytes with rows [start, start+n)."""
         if not self.fast:
             return [_zarr_encode_shard(self.meta_json, shard, start, rows)]
-        s0 = shard * self.rows
-        a = start - s0
+        return self.assemble(shard, start, [self.encode_chunks(rows)])
+
+    def encode_chunks(self, rows: np.ndarray) -> tuple[list, np.ndarray]:
+        """(buffers, uint64 sizes per row) of rows (n, *inner): each row is a chunk of its own,
+        compressed alone, so the chunks of consecutive row blocks, in order, are the chunks of
+        the whole (a worker compresses each micro-batch while the next computes)."""
+        if not self.fast:
+            raise CodecError(f"no chunk-wise encoding for this array ({self.why_slow})")
         n = len(rows)
-        if rows.shape[1:] != self.inner or not 0 <= a < a + n <= self.rows:
-            raise CodecError(f"rows {start}..{start + n} {rows.shape} do not fit shard {shard}")
+        if rows.shape[1:] != self.inner:
+            raise CodecError(f"rows {rows.shape} do not match the array's rows {self.inner}")
+        rows = np.ascontiguousarray(rows, dtype=self.dtype)  # no copy when already LE + C
+        flat = rows.reshape(n, self.chunk_items).view(np.uint8)  # (n, chunk_nbytes)
+        if self.compressor is None:
+            return [flat.reshape(-1)], np.full(n, self.chunk_nbytes, np.uint64)
+        chunks = _map(self.compressor.encode, flat)
+        return chunks, np.fromiter(map(len, chunks), np.uint64, n)
+
+    def assemble(self, shard: int, start: int, pieces: list[tuple[list, np.ndarray]]) -> list:
+        """Buffers of shard `shard`'s bytes from encode_chunks of its rows [start, start+n), in
+        row order: the chunks back to back, and the index."""
+        sizes = np.concatenate([z for _, z in pieces]) if pieces else np.zeros(0, np.uint64)
+        chunks = [c for cs, _ in pieces for c in cs]
+        n, a = len(sizes), start - shard * self.rows
+        if not 0 <= a < a + n <= self.rows:
+            raise CodecError(f"rows {start}..{start + n} do not fit shard {shard}")
         if start + n > self.shape[0]:
             raise CodecError(f"rows up to {start + n} exceed the array's {self.shape[0]}")
-        rows = np.ascontiguousarray(rows, dtype=self.dtype)  # no copy when already LE + C
-        flat = rows.reshape(n, -1).view(np.uint8)  # (n, chunk_nbytes)
-        if self.compressor is None:
-            chunks = [flat.reshape(-1)]
-            sizes = np.full(n, self.chunk_nbytes, np.uint64)
-        else:
-            chunks = _map(self.compressor.encode, flat)
-            sizes = np.fromiter(map(len, chunks), np.uint64, n)
         index = np.full((self.rows, 2), MAX_U64, np.uint64)
         offsets = np.zeros(n, np.uint64)
         np.cumsum(sizes[:-1], out=offsets[1:])

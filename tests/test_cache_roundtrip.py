@@ -550,3 +550,43 @@ def test_writer_refuses_nan_and_bf16_overflow(tmp_path):
     c = open_cache(tmp_path, "fp", verify=True)
     assert c.verify() == []
     assert torch.equal(c.read_rows(0, N, dtype=None)[0].view(torch.int16), good.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "codec,shuffle", [("none", "none"), ("zstd", "none"), ("blosc-zstd", "byte")]
+)
+@pytest.mark.parametrize("given", [torch.bfloat16, torch.float32])
+def test_shard_from_compressed_pieces_is_byte_identical(tmp_path, codec, shuffle, given):
+    """A worker compresses each micro-batch as it is computed (encode_rows) and hands the pieces
+    to write_shard: the shard files are the bytes of the whole-shard path, at any cut."""
+    x = hidden(given)
+    whole = build(tmp_path, "whole", x, cfg("bf16", codec, shuffle))
+    w = CacheWriter.create(tmp_path, "pieces", samples=samples(), seq_len=S, hidden_size=H,
+                           cache_cfg=cfg("bf16", codec, shuffle), meta={"boundary": 1,
+                                                                       "split": "train"})  # fmt: skip
+    for i in range(w.num_shards):
+        a, b = w.shard_range(i)
+        cuts = [a, a + 3, a + 3, a + 4, b] if b - a > 4 else [a, b]  # uneven, one empty piece
+        pieces = [w.encode_rows(x[p:q]) for p, q in zip(cuts, cuts[1:], strict=False)]
+        w.write_shard(i, x[a:b], encoded=pieces)
+    w.finalize()
+    for i in range(w.num_shards):
+        key = f"hidden.zarr/c/{i}/0/0"
+        assert (tmp_path / "pieces" / key).read_bytes() == (tmp_path / "whole" / key).read_bytes()
+    assert [s["files"] for s in open_cache(tmp_path, "pieces").manifest["shards"]] == [
+        s["files"] for s in whole.finalize()["shards"]
+    ]
+
+
+def test_pieces_must_cover_the_shard_and_lossy_caches_take_whole_shards(tmp_path):
+    x = hidden()
+    w = CacheWriter.create(tmp_path, "a", samples=samples(), seq_len=S, hidden_size=H,
+                           cache_cfg=cfg("bf16", "zstd"), meta={})  # fmt: skip
+    with pytest.raises(CacheError, match="pieces hold 3 rows, the shard 8"):
+        w.write_shard(0, x[0:8], encoded=[w.encode_rows(x[0:3])])
+    assert w.missing_shards() == list(range(w.num_shards))  # nothing committed
+    q = CacheWriter.create(tmp_path, "q", samples=samples(), seq_len=S, hidden_size=H,
+                           cache_cfg=cfg("int8", "zstd"), meta={})  # fmt: skip
+    assert q.encode_rows(x[0:3]) is None
+    with pytest.raises(CacheError, match="whole shards"):
+        q.write_shard(0, x[0:8], encoded=[w.encode_rows(x[0:8])])

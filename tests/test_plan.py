@@ -313,3 +313,41 @@ def test_checkpoint_disk_matches_the_files_a_run_writes(tiny_run, capsys):
     )
     assert plan.run_plan(tiny_run, _args("--card", "cpu")) == 0
     assert "checkpoint" in capsys.readouterr().out
+
+
+def test_writer_line_gives_the_cores_a_cards_cache_output_needs(tmp_path):
+    """7B, H=4096, bf16: 30k tokens/s x 4096 x 2 B = 245.76 MB/s; at 100 MB per core-second
+    that is 2.46 cores per card: enough on 8 cores with 4 encoder threads, short on 2."""
+    w = _plan("plan-g7b.yaml", tmp_path, "h100-80", forward_tokens_s=30_000, writer_mb_s=100.0,
+              host_cores=8)["writer"]  # fmt: skip
+    assert w["mb_s"] == pytest.approx(245.76) and w["cores"] == pytest.approx(2.4576)
+    assert w["tokens_source"] == "given" and w["codec_threads"] == 4 and w["bound"] is False
+    short = _plan("plan-g7b.yaml", tmp_path, "h100-80", forward_tokens_s=30_000,
+                  writer_mb_s=100.0, host_cores=2)["writer"]  # fmt: skip
+    assert short["bound"] is True and short["writer_tokens_s"] == pytest.approx(2 * 100e6 / 8192)
+    assert short["suggest"] and "codec_threads=3" not in " ".join(short["suggest"])  # 2 cores
+    # encoder threads below the cores a card has: more threads is the first suggestion
+    cfg = load_config(ROOT / "configs/plan-g7b.yaml", [f"run.dir={tmp_path}",
+                                                      "cache.codec_threads=1"])  # fmt: skip
+    full = plan.build_plan(cfg, plan.PlanOptions(card="h100-80", free_disk=1000.0,
+                                                 forward_tokens_s=30_000, writer_mb_s=100.0,
+                                                 host_cores=8))  # fmt: skip
+    few = full["writer"]
+    assert few["bound"] and few["suggest"][0].startswith("cache.codec_threads=3")
+    assert "WRITER-BOUND: cache.codec_threads=3" in plan.format_plan(full)
+
+
+def test_writer_line_without_a_given_rate_uses_the_measured_table(tmp_path):
+    """Forward tokens/s from FLOPs when not given; MB per core-second from the table of
+    bench/writer.py figures for the config's codec (the default blosc-zstd-3 byte)."""
+    from preinfer.costmodel import WRITER_MB_PER_CORE_S
+
+    w = _plan("plan-g7b.yaml", tmp_path, "h100-80", host_cores=64)["writer"]
+    assert w["codec"] == "blosc-zstd-3 byte" and w["tokens_source"].startswith("FLOPs")
+    assert w["mb_per_core_s"] == WRITER_MB_PER_CORE_S["blosc-zstd-3 byte"]
+    assert w["cores"] == pytest.approx(w["tokens_per_s"] * 4096 * 2 / 1e6 / w["mb_per_core_s"])
+    cpu = _plan("plan-g7b.yaml", tmp_path, "cpu")["writer"]  # no peak: needs a measured rate
+    assert "bound" in cpu and cpu["bound"] is None and "--forward-tokens-s" in cpu[
+        "tokens_source"]  # fmt: skip
+    with pytest.raises(ConfigError, match="forward-tokens-s must be > 0"):
+        _plan("plan-g7b.yaml", tmp_path, "h100-80", forward_tokens_s=-1.0)

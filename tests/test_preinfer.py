@@ -47,6 +47,50 @@ def reference(cfg, block, split, dtype, round_to=None):
     return cache, torch.cat(out)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_compressing_micro_batches_while_computing_writes_the_same_bytes(tiny_run, tmp_path,
+                                                                         dtype):  # fmt: skip
+    """preinfer.write_queue > 0 (each micro-batch compressed while the next computes, the
+    queue smaller than a shard's micro-batches) writes the bytes of write_queue = 0 (whole
+    shards compressed after their compute); a lossy dtype falls back to whole shards."""
+    fps, files = None, []
+    for q in (0, 1):
+        cfg = tiny_run(f"cache.root={tmp_path / str(q)}", f"preinfer.write_queue={q}",
+                       "preinfer.micro_batch=4", f"cache.dtype={dtype}", "cache.codec=blosc-zstd",
+                       "cache.shuffle=byte", "preinfer.executor=local")  # fmt: skip
+        res = build_cache(cfg, 2, log=quiet)
+        assert fps in (None, res["fingerprints"])
+        fps = res["fingerprints"]
+        caches = [open_cache(cfg.cache.root, fp) for fp in fps.values()]
+        assert all(c.verify() == [] for c in caches)
+        assert caches[0].manifest["header"]["rows_per_shard"] % 4  # a short last micro-batch
+        files.append([s["files"] for c in caches for s in c.manifest["shards"]])
+    assert files[0] == files[1]  # same checksums and sizes: the same bytes
+
+
+def test_auto_executor_runs_in_process_on_one_machine_and_on_actors_across_nodes(
+    tiny_run, monkeypatch
+):
+    """preinfer.executor=auto: in process on one machine (actors there only add start-up and
+    a copy of the weights per actor), Ray actors for a cluster job (RAY_ADDRESS) or a node
+    with several GPUs (one actor per GPU); an explicit choice stands."""
+    from pipelines.cache_build import executor
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = tiny_run("preinfer.executor=auto")
+    assert executor(cfg) == "local"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert executor(cfg) == "ray" and executor(tiny_run("run.device=cpu")) == "local"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert executor(cfg) == "ray" and executor(tiny_run("preinfer.executor=local")) == "local"
+
+
+def test_write_queue_must_not_be_negative(tiny_run):
+    with pytest.raises(ConfigError, match="preinfer.write_queue must be >= 0"):
+        tiny_run("preinfer.write_queue=-1")
+
+
 def test_fp32_cache_equals_model_forward_and_is_reused(tiny_run):
     cfg = tiny_run()
     res = build_cache(cfg, 2, log=quiet)
@@ -285,10 +329,10 @@ def test_worker_call_of_several_shards_equals_ray_build(tiny_run, tmp_path, monk
     bad = tiny_run(f"cache.root={tmp_path / 'bad'}")
     real = CacheWriter.write_shard
 
-    def fail_second(self, i, hidden):
+    def fail_second(self, i, hidden, **kw):
         if i == 1:
             raise OSError(28, "No space left on device")
-        return real(self, i, hidden)
+        return real(self, i, hidden, **kw)
 
     monkeypatch.setattr(CacheWriter, "write_shard", fail_second)
     with pytest.raises(OSError, match="No space"):

@@ -1,0 +1,213 @@
+"""The cache writer alone: can it keep up with a GPU's forward?
+
+    .venv/bin/python -m bench.writer                  # local disk + S3 (moto), every codec, 1-2 threads
+    .venv/bin/python -m bench.writer --quick --targets local
+
+Synthetic bf16 hidden states (N, S, H) go through the real writer path: the copy a worker
+makes of its micro-batch outputs into one shard tensor (torch.cat), then
+`CacheWriter.write_shard` (view as stored bits, chunk compression on cache.codec_threads
+threads, xxh3 checksum and write-aside on the I/O thread, fsync, rename, done marker), then
+`finalize` (every marker checked, the manifest). Per codec x encoder threads x target
+(a local directory; S3 = a moto server in its own process, so this process's CPU time is the
+writer's alone).
+
+Reported per arm, medians of --repeats interleaved runs (spread min..max beside them):
+- MB/s: bf16 input megabytes (1e6) per wall second;
+- MB per core-second: the same bytes over this process's CPU seconds (user + system) during
+  the write: what one core encodes and writes, whatever else the machine runs;
+- cores per GPU: 7B model, H=4096 bf16 = 8,192 bytes per token; 10k-50k tokens/s per GPU
+  = 82-410 MB/s; cores = that rate / MB per core-second.
+The values: N(0, 1) per channel times a log-normal channel scale (a few channels 10-100x the
+rest, as in LM residual streams), so the shuffle + zstd ratio is close to a real cache's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.harness import load_average, results_path, write_results
+from preinfer.costmodel import writer_key
+from storage import fs
+from storage.cache import CacheWriter
+from storage.config import CacheConfig, StorageConfig
+from storage.layout import remove_cache
+from storage.shard_codec import set_codec_threads
+
+GPU_BYTES_PER_TOKEN = 4096 * 2  # 7B model, H=4096, bf16
+GPU_TOKENS_PER_S = (10_000, 50_000)
+CODECS = {  # writer_key (preinfer.costmodel's names) -> CacheConfig fields
+    writer_key(c["codec"], c.get("level", 3), c["shuffle"]): c
+    for c in (
+        {"codec": "none", "shuffle": "none"},
+        {"codec": "zstd", "shuffle": "none", "level": 1},
+        {"codec": "blosc-zstd", "shuffle": "byte", "level": 1},
+        {"codec": "blosc-zstd", "shuffle": "byte", "level": 3},  # the default
+        {"codec": "zstd", "shuffle": "none", "level": 3},
+    )
+}
+
+
+def synthetic(rows: int, seq: int, hidden: int, seed: int = 0) -> torch.Tensor:
+    """(rows, S, H) bf16: N(0, 1) x a log-normal scale per channel."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(hidden, generator=g) * 1.0)
+    return (torch.randn(rows, seq, hidden, generator=g) * scale).to(torch.bfloat16)
+
+
+def samples(n: int, seq: int) -> dict:
+    ids = np.zeros((n, seq), np.int32)
+    return {"sample_id": np.arange(n, dtype=np.int64), "input_ids": ids, "labels": ids}
+
+
+def write_once(root: str, hidden: torch.Tensor, codec: dict, shard_mb: float, mb: int) -> dict:
+    """One cache of `hidden` written through the writer path; wall and CPU seconds."""
+    n, seq, hid = hidden.shape
+    fp = f"bench-{uuid.uuid4().hex[:12]}"
+    cfg = CacheConfig(dtype="bf16", shard_mb=shard_mb, **codec)
+    w = CacheWriter.create(root, fp, samples=samples(n, seq), seq_len=seq, hidden_size=hid,
+                           cache_cfg=cfg, meta={}, free_bytes=1 << 50)  # fmt: skip
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(w.num_shards):
+        a, b = w.shard_range(i)
+        # the copy a worker makes: its micro-batch outputs cat'd into one shard tensor
+        w.write_shard(i, torch.cat(hidden[a:b].split(mb)))
+    manifest = w.finalize()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    remove_cache(root, fp)
+    return {"wall_s": wall, "cpu_s": cpu, "ratio": manifest["compression_ratio"]}
+
+
+def moto_server() -> tuple[subprocess.Popen, str]:
+    """A moto S3 server in its own process on a free local port, with bucket `bench`."""
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=url, aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")  # fmt: skip
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket="bench")
+            return proc, url
+        except Exception:  # noqa: BLE001 -- not listening yet
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto server did not start")
+
+
+def run(args) -> dict:
+    logging.getLogger("botocore").setLevel(logging.ERROR)
+    rows = max(1, int(args.mb * 1e6 // (args.seq * args.hidden * 2)))
+    hidden = synthetic(rows, args.seq, args.hidden)
+    res: dict = {"bench": "writer", "seq": args.seq, "hidden": args.hidden, "rows": rows,
+                 "bytes": hidden.numel() * 2, "shard_mb": args.shard_mb,
+                 "micro_batch": args.micro_batch, "repeats": args.repeats,
+                 "cpus": len(os.sched_getaffinity(0)), "load_before": load_average(),
+                 "gpu": {"bytes_per_token": GPU_BYTES_PER_TOKEN,
+                         "tokens_per_s": list(GPU_TOKENS_PER_S)}, "arms": {}}  # fmt: skip
+    roots, server = {}, None
+    tmp = tempfile.TemporaryDirectory(prefix="writer-bench-", dir=args.dir)
+    if "local" in args.targets:
+        roots["local"] = tmp.name
+    if "s3" in args.targets:
+        server, url = moto_server()
+        fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
+                                   region="us-east-1"))  # fmt: skip
+        roots["s3"] = f"s3://bench/{uuid.uuid4().hex[:8]}"
+    arms = [(t, c, n) for t in roots for c in args.codecs for n in args.threads]
+    raw: dict = {a: [] for a in arms}
+    try:
+        for r in range(args.repeats + 1):  # round 0 warms (imports, pools, connections)
+            for t, c, n in arms if r % 2 == 0 else arms[::-1]:
+                set_codec_threads(n)
+                out = write_once(roots[t], hidden, CODECS[c], args.shard_mb, args.micro_batch)
+                if r:
+                    raw[(t, c, n)].append(out)
+    finally:
+        if server is not None:
+            server.kill()
+            fs.configure(None)
+        tmp.cleanup()
+    mb = res["bytes"] / 1e6
+    for (t, c, n), outs in raw.items():
+        wall = [mb / o["wall_s"] for o in outs]
+        core = [mb / max(o["cpu_s"], 1e-9) for o in outs]
+        per_core = statistics.median(core)
+        res["arms"][f"{t} | {c} | {n}"] = {
+            "target": t, "codec": c, "threads": n,
+            "mb_s": {"median": statistics.median(wall), "min": min(wall), "max": max(wall)},
+            "mb_per_core_s": {"median": per_core, "min": min(core), "max": max(core)},
+            "cpu_per_wall": statistics.median(o["cpu_s"] / o["wall_s"] for o in outs),
+            "ratio": outs[0]["ratio"],
+            "cores_per_gpu": [GPU_BYTES_PER_TOKEN * k / 1e6 / per_core for k in GPU_TOKENS_PER_S],
+        }  # fmt: skip
+    res["load_after"] = load_average()
+    return res
+
+
+def table(res: dict) -> str:
+    lo, hi = (GPU_BYTES_PER_TOKEN * k / 1e6 for k in GPU_TOKENS_PER_S)
+    lines = [
+        f"{res['bytes'] / 1e6:.0f} MB of bf16 hidden (N={res['rows']}, S={res['seq']}, "
+        f"H={res['hidden']}), shards of {res['shard_mb']} MiB, medians of {res['repeats']} "
+        f"(min..max); {res['cpus']} CPUs; load average before {res['load_before']}, after "
+        f"{res['load_after']}",
+        "",
+        f"| target | codec | encoder threads | MB/s (wall) | MB per core-second | CPU/wall "
+        f"| ratio | cores per GPU at {lo:.0f} MB/s | at {hi:.0f} MB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a in res["arms"].values():
+        w, c = a["mb_s"], a["mb_per_core_s"]
+        lines.append(
+            f"| {a['target']} | {a['codec']} | {a['threads']} | {w['median']:.0f} "
+            f"({w['min']:.0f}..{w['max']:.0f}) | {c['median']:.0f} ({c['min']:.0f}..{c['max']:.0f})"
+            f" | {a['cpu_per_wall']:.2f} | {a['ratio']:.2f} | {a['cores_per_gpu'][0]:.1f} "
+            f"| {a['cores_per_gpu'][1]:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--mb", type=float, default=128, help="megabytes of bf16 hidden per run")
+    ap.add_argument("--shard-mb", type=float, default=32.0)
+    ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (the copy)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--targets", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    ap.add_argument("--dir", default=None, help="parent of the local cache dir (default: tmp)")
+    ap.add_argument("--out", default=None, help="JSON path; default bench/results/writer-<time>")
+    ap.add_argument("--quick", action="store_true", help="64 MB, 2 repeats")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.repeats = min(args.mb, 64), min(args.repeats, 2)
+    res = run(args)
+    print(table(res))
+    path = write_results(Path(args.out) if args.out else results_path("writer"), res)
+    print(f"results: {path.name}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
