@@ -32,6 +32,15 @@ def write_results(path: Path, res: dict) -> Path:
     return path
 
 
+def without_paths(res: dict, labels: dict[str, str]) -> dict:
+    """res with every occurrence of each machine path replaced by its label ({"/tmp/x": "<work>"}),
+    so a results file names no directory of the machine that wrote it. Longer paths first."""
+    text = json.dumps(_clean(res), default=str)
+    for path, label in sorted(labels.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(json.dumps(path)[1:-1], label)
+    return json.loads(text)
+
+
 def load_average() -> list[float] | None:
     """1/5/15-minute load averages (what else the machine was doing), None where unknown."""
     try:

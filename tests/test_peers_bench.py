@@ -25,6 +25,7 @@ def test_every_arm_on_a_tiny_model_in_one_process(tmp_path):
         torch.set_num_threads(threads)
     res = json.loads(out.read_text())
     assert ret["results"] == str(out)
+    assert str(tmp_path) not in out.read_text()  # no machine path: <work>, <repo>
     sc, start = res["scale"], res["prep"]["initial_loss"]
     visits = sc["rounds"] * sc["M"]
     assert {r["arm"] for r in res["runs"]} == set(peers.ARMS)
