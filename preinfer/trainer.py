@@ -26,8 +26,8 @@ class TrainConfig:
     """bcd: block K from the cache; full: all parameters from tokens; bcd-recompute: prefix rerun every step."""
     rounds: int = 1
     """Passes of the rotation over all M blocks (bcd modes)."""
-    order: Literal["ascending", "descending"] = "ascending"
-    """Blocks per round (bcd modes; full ignores it): 0..M-1, or M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's)."""
+    order: Literal["ascending", "descending", "random"] = "ascending"
+    """Blocks per round (bcd modes; full ignores it): 0..M-1; M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's); random = a permutation per round seeded by (train.seed, round), as BAdam offers."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """Optimizer of the active block."""
     lr: float | None = None
@@ -125,6 +125,17 @@ class TrainConfig:
             "weight_decay": self.weight_decay if self.weight_decay is not None else wd,
             "betas": tuple(self.betas) if self.betas is not None else (0.9, 0.999),
         }
+
+
+def round_blocks(tc: TrainConfig, M: int, round_: int) -> list[int]:
+    """The blocks of round `round_` in the order they train (train.order; bcd modes). random:
+    a permutation of 0..M-1 drawn from (train.seed, round) alone, so a resumed rotation, a
+    single `preinfer train` visit and the planner all see the same order."""
+    if tc.order == "ascending":
+        return list(range(M))
+    if tc.order == "descending":
+        return list(range(M - 1, -1, -1))
+    return [int(b) for b in np.random.default_rng([tc.seed, round_, 31]).permutation(M)]
 
 
 # ---------------------------------------------------------------------------------------------

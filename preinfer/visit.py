@@ -43,6 +43,7 @@ from preinfer.trainer import (
     lr_at,
     peak_memory_mb,
     reset_peak_memory,
+    round_blocks,
     train_step,
 )
 from preinfer.visit_state import drop_state, load_state, save_state, tokens_warning
@@ -151,7 +152,7 @@ class Visit:
         # of one schedule over the rotation's rounds x M visits, v its index in the rotation
         self.sched, self.lr_offset = self.tc, 0
         if cfg.train.schedule == "run" and spec.mode != "full":
-            pos = K if cfg.train.order == "ascending" else self.M - 1 - K
+            pos = round_blocks(cfg.train, self.M, spec.round).index(K)
             self.lr_offset = (spec.round * self.M + pos) * steps
             self.sched = dataclasses.replace(self.tc, max_steps=cfg.train.rounds * self.M * steps)
         self._data()
