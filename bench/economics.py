@@ -112,6 +112,9 @@ VARIANTS = {
     "adam-state": [*_BASE, "train.keep_optimizer_state=true"],  # AdamW kept across rounds
     "run-schedule": [*_BASE, "train.schedule=run"],  # one warmup + cosine over the rotation
     "descending": [*_BASE, "train.order=descending"],  # head-side block first
+    # #27 item 1: the head (final norm + untied LM head) trains in every visit, AdamW kept
+    "always-head": [*_BASE, "train.keep_optimizer_state=true", "train.always_train=[head]"],
+    "random": [*_BASE, "train.keep_optimizer_state=true", "train.order=random"],  # #27 item 3
 }
 
 

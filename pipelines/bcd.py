@@ -34,7 +34,7 @@ from pathlib import Path
 
 from core.config import ConfigError
 from pipelines.cache_build import build_cache, refresh_allowed, refresh_cache
-from pipelines.train import run_train
+from pipelines.train import precision_line, run_train
 from preinfer.cache_identity import Sources, plan_caches, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
@@ -194,11 +194,13 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     state["mode"] = mode
     if mode != "full":
         state["order"], state["schedule"] = cfg.train.order, cfg.train.schedule
+        state["cache_visits"] = cfg.train.cache_visits
     save_state(cfg, state)
     # the resolved config of this run (storage credentials masked)
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
     M = ckpt.num_blocks
     check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
+    log(f"  training precision: {precision_line(cfg)}")
     try:
         warn_trainer_memory(cfg, mode=mode, log=log)
     except Exception as e:  # an estimate must never stop a run
@@ -334,12 +336,13 @@ def _release_random(cfg, state, ready, order: list[int], round_: int, block: int
 
 
 def _check_same_rotation(cfg: Config, state: dict, mode: str) -> None:
-    """Refuse to go on with a rotation begun in another train.order or train.schedule (a
-    state.json from before they were recorded: ascending, visit)."""
+    """Refuse to go on with a rotation begun in another train.order, train.schedule or
+    train.cache_visits (its visits' rows) (a state.json from before they were recorded:
+    ascending, visit, 1)."""
     if mode == "full":
         return  # trains all blocks at once over its own steps: neither applies
     started = bool(state["visits"] or state.get("pending"))
-    for key, old in (("order", "ascending"), ("schedule", "visit")):
+    for key, old in (("order", "ascending"), ("schedule", "visit"), ("cache_visits", 1.0)):
         was, now = state.get(key, old if started else None), getattr(cfg.train, key)
         if was is not None and was != now:
             raise ConfigError(
