@@ -98,6 +98,8 @@ def main(argv=None) -> dict:
         "spread": {arm: [min(t), max(t)] for arm, t in times.items()},
         "tokens_per_s": {arm: B * S / m for arm, m in med.items()},
         "speedup_bf16": med["fp32"] / med["bf16"],
+        # each repeat's pair (run back to back): steadier than the medians' ratio under load
+        "paired_speedups": [f / b for f, b in zip(times["fp32"], times["bf16"], strict=True)],
         "load_start": load_start, "load_end": os.getloadavg(),
     }  # fmt: skip
     print(f"block {K} of {a.config} ({', '.join(a.set) or 'as configured'}), batch {B} x S {S}, "
@@ -107,7 +109,10 @@ def main(argv=None) -> dict:
     for arm in ARMS:
         lo, hi = res["spread"][arm]
         print(f"| {arm} | {med[arm]:.3f} | {lo:.3f}..{hi:.3f} | {res['tokens_per_s'][arm]:.0f} |")
-    print(f"bf16 speed-up: {res['speedup_bf16']:.2f}x; run.precision=auto here: {auto} ({why})")
+    pairs = sorted(res["paired_speedups"])
+    print(f"bf16 speed-up: {res['speedup_bf16']:.2f}x (medians); per interleaved pair: median "
+          f"{statistics.median(pairs):.2f}x, {pairs[0]:.2f}..{pairs[-1]:.2f}")  # fmt: skip
+    print(f"run.precision=auto here: {auto} ({why})")
     print(f"load average: {load_start} -> {res['load_end']}")
     if a.out:
         with open(a.out, "w") as f:
