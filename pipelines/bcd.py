@@ -9,6 +9,10 @@ state file, at the right step). It also records the token store the rotation sta
 re-tokenize since (other corpus, tokenizer, vocab) is refused, not trained on. One run per
 run.dir: the rotation holds `<run.dir>/.lock` (preinfer/run_lock.py) throughout.
 
+train.order=random trains a permutation per round drawn from (train.seed, round) and recorded
+in state.json ("block_orders"); each visit makes its boundary current as ascending does, and
+boundaries below it that a later visit of the round reads are made on the way and kept.
+
 train.order=descending trains blocks M-1..0 in each round. No block before K changes until
 block 0 trains, so every boundary cache of the round stays current: the round starts by making
 boundaries 1..M-1 current (build 1, refresh 2 from 1, ..., the same compute as ascending's), then
@@ -30,7 +34,7 @@ from pathlib import Path
 
 from core.config import ConfigError
 from pipelines.cache_build import build_cache, refresh_allowed, refresh_cache
-from pipelines.train import run_train
+from pipelines.train import precision_line, run_train
 from preinfer.cache_identity import Sources, plan_caches, store_budget
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
@@ -44,6 +48,7 @@ from preinfer.guards import (
 from preinfer.metrics import append_metrics, last_visit_summary
 from preinfer.provenance import check_settings
 from preinfer.run_lock import run_lock
+from preinfer.trainer import round_blocks
 from preinfer.visit import VisitHooks, finish_committed
 from storage import fs
 from storage.atomic import dir_bytes, write_json
@@ -189,25 +194,32 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     state["mode"] = mode
     if mode != "full":
         state["order"], state["schedule"] = cfg.train.order, cfg.train.schedule
+        state["cache_visits"] = cfg.train.cache_visits
     save_state(cfg, state)
     # the resolved config of this run (storage credentials masked)
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
     M = ckpt.num_blocks
     check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
+    log(f"  training precision: {precision_line(cfg)}")
     try:
         warn_trainer_memory(cfg, mode=mode, log=log)
     except Exception as e:  # an estimate must never stop a run
         log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
     budget = store_budget(cfg, store)
+    orders: list[list[int]] = []
     if mode == "full":
         plan = [(0, 0)]
         log(f"  full: {budget.steps * cfg.train.rounds * M} steps over all train rows")
     else:
-        blocks = range(M) if cfg.train.order == "ascending" else range(M - 1, -1, -1)
-        plan = [(r, k) for r in range(cfg.train.rounds) for k in blocks]
+        orders = _round_orders(cfg, state, M)
+        plan = [(r, k) for r in range(cfg.train.rounds) for k in orders[r]]
         log(f"  each visit: {budget.why} ({budget.passes:.2f} passes)")
+        if cfg.train.order == "random":
+            log(f"  block order (train.order=random, seed {cfg.train.seed}): {orders}")
     descending = mode == "bcd" and cfg.train.order == "descending"
-    ready: dict[int, dict[int, tuple[str, dict[str, str]]]] = {}  # descending: round -> caches
+    rand = mode == "bcd" and cfg.train.order == "random"
+    # descending, random: round -> the boundary caches kept for the round's later visits
+    ready: dict[int, dict[int, tuple[str, dict[str, str]]]] = {}
     results = []
     for r, k in plan:
         key = f"r{r}-b{k}"
@@ -224,11 +236,16 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             results.append(state["visits"][key])
             if descending:
                 _release(cfg, state, ready, r, k, log)
+            if rand:
+                _release_random(cfg, state, ready, orders[r], r, k, log)
             continue
         action, fps = "tokens", None
         if descending and k > 0:
             if r not in ready:  # the round's start, or its first visit left after a kill
                 ready[r] = _ensure_boundaries(cfg, state, r, k, log)
+            action, fps = ready[r][k]
+        elif rand and k > 0:
+            ready[r] = _random_boundaries(cfg, state, orders[r], k, r, log)
             action, fps = ready[r][k]
         elif mode == "bcd" and k > 0:
             action, fps = ensure_cache(cfg, state, k, r, log=log)
@@ -253,6 +270,8 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
         results.append(summary)
         if descending:
             _release(cfg, state, ready, r, k, log)
+        if rand:
+            _release_random(cfg, state, ready, orders[r], r, k, log)
         if on_visit is not None:
             on_visit(r, k, summary)
         log(
@@ -265,13 +284,65 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     return {"mode": mode, "visits": results}
 
 
+def _round_orders(cfg: Config, state: dict, M: int) -> list[list[int]]:
+    """Every round's block order (train.order), recorded in state.json: a resumed rotation
+    replays the recorded one and refuses a config that would draw another (train.seed changed
+    under train.order=random)."""
+    recorded = state.setdefault("block_orders", {})
+    orders = [round_blocks(cfg.train, M, r) for r in range(cfg.train.rounds)]
+    for r, order in enumerate(orders):
+        was = recorded.get(str(r))
+        if was is not None and was != order:
+            raise ConfigError(
+                f"{_state_path(cfg)} trained round {r} in block order {was}, but this config "
+                f"draws {order} (train.order={cfg.train.order}, train.seed={cfg.train.seed}); "
+                "rerun with the train.seed the rotation started with, or use another run.dir"
+            )
+        recorded[str(r)] = order
+    save_state(cfg, state)
+    return orders
+
+
+def _random_boundaries(
+    cfg: Config, state: dict, order: list[int], block: int, round_: int, log
+) -> dict[int, tuple[str, dict[str, str]]]:
+    """train.order=random: make boundary `block` current for its visit, and keep the boundaries
+    j < block that a later visit of the round reads before any block below j trains (they stay
+    current). Those not yet made are made on the way, ascending from the lowest (build it, then
+    refresh up to `block`): the compute of building `block` from tokens, so they come free."""
+    later = order[order.index(block) + 1 :]
+    needed = [j for i, j in enumerate(later) if 0 < j < block and all(b >= j for b in later[:i])]
+    made = {}
+    for j in range(min([*needed, block]), block + 1):
+        made[j] = ensure_cache(cfg, state, j, round_, log=log)
+        state["caches_in_use"] = _fingerprints(made)
+        save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
+    kept = {j: made[j] for j in [*needed, block]}
+    state["caches_in_use"] = _fingerprints(kept)
+    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
+    save_state(cfg, state)
+    return kept
+
+
+def _release_random(cfg, state, ready, order: list[int], round_: int, block: int, log) -> None:
+    """train.order=random: block `block` is trained; keep only the boundaries j < block (still
+    current) that a later visit of the round reads (after block 0: none)."""
+    later = order[order.index(block) + 1 :]
+    kept = {j: v for j, v in ready.get(round_, {}).items() if j < block and j in later}
+    ready[round_] = kept
+    state["caches_in_use"] = _fingerprints(kept)
+    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
+    save_state(cfg, state)
+
+
 def _check_same_rotation(cfg: Config, state: dict, mode: str) -> None:
-    """Refuse to go on with a rotation begun in another train.order or train.schedule (a
-    state.json from before they were recorded: ascending, visit)."""
+    """Refuse to go on with a rotation begun in another train.order, train.schedule or
+    train.cache_visits (its visits' rows) (a state.json from before they were recorded:
+    ascending, visit, 1)."""
     if mode == "full":
         return  # trains all blocks at once over its own steps: neither applies
     started = bool(state["visits"] or state.get("pending"))
-    for key, old in (("order", "ascending"), ("schedule", "visit")):
+    for key, old in (("order", "ascending"), ("schedule", "visit"), ("cache_visits", 1.0)):
         was, now = state.get(key, old if started else None), getattr(cfg.train, key)
         if was is not None and was != now:
             raise ConfigError(

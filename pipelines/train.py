@@ -29,7 +29,7 @@ from pipelines.ray_env import (
 from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
-from preinfer.device import resolve_device
+from preinfer.device import resolve_device, training_precision
 from preinfer.guards import check_vocab, warn_trainer_memory
 from preinfer.metrics import last_visit_summary
 from preinfer.provenance import check_settings
@@ -127,6 +127,12 @@ def _worker_loop(config: dict) -> None:
     ray.train.report({k: v for k, v in summary.items() if isinstance(v, int | float)})
 
 
+def precision_line(cfg: Config) -> str:
+    """run.precision as resolved on this machine's device, with the reason."""
+    name, why = training_precision(resolve_device(cfg.run.device), cfg.run.precision)
+    return f"{name} ({why})"
+
+
 def run_train(
     cfg: Config,
     block: int,
@@ -139,7 +145,8 @@ def run_train(
     hooks: VisitHooks | None = None,
 ) -> dict:
     """Train one block visit (`preinfer train --block K`). memory_check: warn first when the
-    planner's trainer-peak estimate exceeds the device (bcd checks once for the rotation);
+    planner's trainer-peak estimate exceeds the device, and say the training precision (bcd
+    does both once for the rotation);
     caches: the boundary caches' fingerprints by split, when the caller has planned them;
     hooks: a visit's extension points (in this process only: not sent to Ray Train workers)."""
     mode = mode or cfg.train.mode
@@ -155,6 +162,7 @@ def run_train(
     check_settings(cfg, "train", tokens=store.manifest, checkpoint=ckpt.index)
     spec = visit_spec(cfg, block, round_, mode, caches)
     if memory_check:
+        log(f"  training precision: {precision_line(cfg)}")
         try:
             warn_trainer_memory(cfg, mode=mode, block=None if mode == "full" else block, log=log)
         except Exception as e:  # an estimate must never stop a run

@@ -1,7 +1,8 @@
 """Cache identity: which rows a boundary cache holds, its fingerprint and its meta.
 
-One (round, boundary) of a run caches exactly the rows its visit reads (`visit_budget`): a
-per-(seed, round) sample of the train split sized by train.epochs, in a seeded row order that
+One (round, boundary) of a run caches exactly the rows its round's visits read (`visit_budget`):
+a per-(seed, round) sample of the train split sized by train.epochs and train.cache_visits (each
+visit reads its own window of it, `visit_window`), in a seeded row order that
 every boundary of the round shares (so a refresh maps row i of boundary K-1 to row i of K), and
 the val rows the in-visit evaluations read. `plan_caches` turns that into fingerprints and the
 shards still missing; the trainer, the rotation and the Ray stage all ask it, never each other.
@@ -95,7 +96,9 @@ class VisitBudget:
     """What one bcd visit of a round reads, decided once from the config and the token store."""
 
     rows: int
-    """Train rows the visit reads (and boundary caches hold), per (seed, round)."""
+    """Train rows a round's boundary caches hold (and its visits read), per (seed, round)."""
+    visit_rows: int
+    """Train rows one visit reads: a window of the round's rows (all of them at cache_visits 1)."""
     steps: int
     """Optimizer steps of the visit."""
     val_rows: int
@@ -109,39 +112,63 @@ class VisitBudget:
     @property
     def passes(self) -> float:
         """Passes over the visit's rows that its steps make."""
-        return self.steps * self.batch_size / max(self.rows, 1)
+        return self.steps * self.batch_size / max(self.visit_rows, 1)
 
 
 def visit_budget(cfg, n_train: int, n_val: int) -> VisitBudget:
-    """The one rule for a visit's rows and steps.
+    """The one rule for a visit's rows and steps, and a round's cached rows.
 
-    train.epochs = E: rows R = min(N_train x sample_fraction, max_steps x batch / E) (at least
-    one batch), steps = min(max_steps, ceil(E x R / batch)): every cached row is read E times,
-    and a step cap below one pass shrinks the rows, never the passes. train.epochs = null: every
-    sampled row (N_train x sample_fraction) and max_steps steps (rows read any number of times,
-    or never). Val: the first eval_batches x batch rows (all of val when eval_batches = 0).
+    train.epochs = E: a visit reads V = min(N_train x sample_fraction, max_steps x batch / E)
+    rows (at least one batch), steps = min(max_steps, ceil(E x V / batch)): every row it reads
+    is read E times, and a step cap below one pass shrinks the rows, never the passes. The
+    round caches R = min(N_train x sample_fraction, floor(train.cache_visits x V)) rows, and
+    its visits read successive V-row windows of them (visit_window): cache_visits 1 = every
+    visit the same rows, the smallest cache; cache_visits M = each visit rows of its own where
+    the train split holds M x V. train.epochs = null: every sampled row (N_train x
+    sample_fraction), in every visit, and max_steps steps (rows read any number of times, or
+    never). Val: the first eval_batches x batch rows (all of val when eval_batches = 0).
     """
     tc, B = cfg.train, cfg.train.batch_size
     cap = max(1, round(n_train * cfg.preinfer.sample_fraction))
     if tc.epochs is None:
         rows, steps = cap, tc.max_steps
+        visit_rows = rows
         why = f"train.epochs=null: every sampled row ({rows} of {n_train}), {steps} steps"
     else:
         want = max(B, math.floor(tc.max_steps * B / tc.epochs))
-        rows = min(cap, want)
-        steps = min(tc.max_steps, math.ceil(tc.epochs * rows / B))
+        visit_rows = min(cap, want)
+        steps = min(tc.max_steps, math.ceil(tc.epochs * visit_rows / B))
+        rows = min(cap, max(visit_rows, math.floor(tc.cache_visits * visit_rows)))
         limit = (
             f"max_steps {tc.max_steps} x batch {B} / epochs {tc.epochs:g}"
             if want < cap
             else f"{n_train} train rows x sample_fraction {cfg.preinfer.sample_fraction:g}"
         )
-        why = f"{rows} of {n_train} train rows ({limit}), {steps} steps"
+        why = f"{visit_rows} of {n_train} train rows ({limit}), {steps} steps"
+        if tc.cache_visits != 1:
+            why += (
+                f"; the round caches {rows} rows (cache_visits {tc.cache_visits:g}"
+                + (
+                    f", capped by {cap} sampled rows"
+                    if rows == cap < tc.cache_visits * visit_rows
+                    else ""
+                )
+                + "), visits read successive windows of them"
+            )
     val_rows = n_val if not tc.eval_batches else min(n_val, tc.eval_batches * B)
     why += f"; {val_rows} of {n_val} val rows" + (
         f" (eval_batches {tc.eval_batches} x batch {B})" if val_rows < n_val else ""
     )
-    return VisitBudget(rows=rows, steps=steps, val_rows=val_rows, n_train=n_train, n_val=n_val,
-                       batch_size=B, why=why)  # fmt: skip
+    return VisitBudget(rows=rows, visit_rows=visit_rows, steps=steps, val_rows=val_rows,
+                       n_train=n_train, n_val=n_val, batch_size=B, why=why)  # fmt: skip
+
+
+def visit_window(budget: VisitBudget, position: int) -> tuple[int, int]:
+    """(start, rows) of the window of the round's cached train rows (cache row order) that the
+    visit at `position` in its round reads: rows start, start+1, ... wrapping at budget.rows.
+    Successive visits take successive windows, so they read different rows until the round's
+    rows run out (then they wrap around to the first ones)."""
+    return position * budget.visit_rows % budget.rows, budget.visit_rows
 
 
 def store_budget(cfg, store: TokenStore) -> VisitBudget:

@@ -1,5 +1,6 @@
-"""Device and precision choice: CUDA + bf16 autocast when a GPU is present, fp32 on CPU; the
-pre-inference compute dtype by what the hardware runs fast."""
+"""Device and precision choice: training's autocast (`training_precision`) and pre-inference's
+compute dtype (`compute_dtype`), both by one rule: bf16 where the device computes it natively
+(CUDA; a CPU with AVX512-BF16/AMX, `cpu_native_bf16`), fp32 elsewhere."""
 
 from __future__ import annotations
 
@@ -27,12 +28,29 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def training_precision(device: torch.device, precision: str = "auto") -> tuple[str, str]:
+    """Resolve run.precision for training on `device`: ("bf16" | "fp32", why). auto = bf16
+    autocast where the device computes bf16 natively (CUDA; a CPU with AVX512-BF16/AMX, the
+    rule pre-inference's compute dtype follows), fp32 elsewhere (an AVX2 CPU emulates bf16
+    matmuls ~50x slower than fp32)."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"run.precision must be auto, fp32 or bf16, got {precision!r}")
+    if precision != "auto":
+        return precision, f"run.precision={precision}"
+    if device.type == "cuda":
+        return "bf16", "run.precision=auto: bf16 autocast on CUDA"
+    if device.type != "cpu":
+        return "fp32", f"run.precision=auto: fp32 on {device.type}"
+    fast, cap = cpu_native_bf16()
+    if fast:
+        return "bf16", f"run.precision=auto: CPU capability {cap}, native bf16: bf16 autocast"
+    return "fp32", f"run.precision=auto: CPU capability {cap}, no native bf16 matmul: fp32"
+
+
 def autocast(device: torch.device, precision: str = "auto"):
-    """bf16 autocast on CUDA (precision auto/bf16); a no-op context on CPU or for fp32."""
-    if device.type == "cuda" and precision in ("auto", "bf16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    if device.type == "cpu" and precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+    """bf16 autocast where training_precision says bf16; a no-op context for fp32."""
+    if device.type in ("cuda", "cpu") and training_precision(device, precision)[0] == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 

@@ -121,7 +121,8 @@ def check_disk_for_cache(cfg, block: int | None = None, *, mode: str | None = No
         if (mode or cfg.train.mode) != "bcd" or M < 2:
             return None
         # descending order keeps every boundary of a round until its block trains
-        every = cfg.cache.keep or cfg.train.order == "descending"
+        # (random may keep any boundary a later visit of its round reuses)
+        every = cfg.cache.keep or cfg.train.order in ("descending", "random")
         count = M - 1 if every else min(2, M - 1)
         need, what = count * per["expected"], f"the bcd rotation ({count} boundaries at once)"
     elif plans is not None:  # what is still to write: committed shards (done markers) count

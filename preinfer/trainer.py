@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 from collections.abc import Iterator
@@ -26,8 +27,10 @@ class TrainConfig:
     """bcd: block K from the cache; full: all parameters from tokens; bcd-recompute: prefix rerun every step."""
     rounds: int = 1
     """Passes of the rotation over all M blocks (bcd modes)."""
-    order: Literal["ascending", "descending"] = "ascending"
-    """Blocks per round (bcd modes; full ignores it): 0..M-1, or M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's)."""
+    order: Literal["ascending", "descending", "random"] = "ascending"
+    """Blocks per round (bcd modes; full ignores it): 0..M-1; M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's); random = a permutation per round seeded by (train.seed, round), as BAdam offers."""
+    always_train: list[Literal["head"]] = dataclasses.field(default_factory=list)
+    """Parts that train in every bcd visit besides its block: head = the final norm and an untied LM head (block M-1's; a tied head matrix stays block 0's), their optimizer state kept with block M-1's. They follow every cached prefix: no cache is invalidated."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """Optimizer of the active block."""
     lr: float | None = None
@@ -48,6 +51,8 @@ class TrainConfig:
     """Steps per block visit (bcd) or in total (full): the cap of the visit's budget."""
     epochs: float | None = 1.0
     """Passes over a visit's rows; rows = min(train x sample_fraction, max_steps x batch / epochs), and only those are cached. null = cache every sampled row, train max_steps."""
+    cache_visits: float = 1.0
+    """Rows a round caches, in visits' worth (a visit reads max_steps x batch / epochs rows): 1 = every visit of the round reads the same rows (the smallest cache); the block count M = each visit reads rows of its own (M times the cache, where the train split holds them). Visits read successive windows of the round's rows."""
     batch_size: int = 16
     """Global batch size in sequences (split evenly over workers)."""
     grad_clip: float = 1.0
@@ -89,10 +94,17 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.cache_visits >= 1:
+            raise ConfigError(
+                f"train.cache_visits must be >= 1 visits' worth of rows per round (1 = every "
+                f"visit reads the same rows), got {self.cache_visits}"
+            )
         if self.epochs is not None and not self.epochs > 0:
             raise ConfigError(
                 f"train.epochs must be > 0 passes over the visit's rows, or null, got {self.epochs}"
             )
+        if len(set(self.always_train)) != len(self.always_train):
+            raise ConfigError(f"train.always_train lists a part twice: {self.always_train}")
         if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
             raise ConfigError(f"train.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
         if self.lr is not None and self.lr <= 0:
@@ -125,6 +137,17 @@ class TrainConfig:
             "weight_decay": self.weight_decay if self.weight_decay is not None else wd,
             "betas": tuple(self.betas) if self.betas is not None else (0.9, 0.999),
         }
+
+
+def round_blocks(tc: TrainConfig, M: int, round_: int) -> list[int]:
+    """The blocks of round `round_` in the order they train (train.order; bcd modes). random:
+    a permutation of 0..M-1 drawn from (train.seed, round) alone, so a resumed rotation, a
+    single `preinfer train` visit and the planner all see the same order."""
+    if tc.order == "ascending":
+        return list(range(M))
+    if tc.order == "descending":
+        return list(range(M - 1, -1, -1))
+    return [int(b) for b in np.random.default_rng([tc.seed, round_, 31]).permutation(M)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +241,56 @@ class CacheBatches:
             if i >= self.steps_per_epoch:
                 break
             yield hidden, labels
+
+
+class CacheWindow:
+    """Rows [start, start + n) of a Cache, wrapping at its end (a visit's window of its round's
+    rows, cache_identity.visit_window), with the reads CacheDataset makes. Its shards are the
+    cache's shards cut at the window's ends, so a shard read is never more than one of the
+    cache's; a read spanning them is joined."""
+
+    def __init__(self, cache, start: int, n: int):
+        N = cache.num_samples
+        if not (0 <= start < N and 0 < n <= N):
+            raise ConfigError(f"window [{start}, +{n}) does not fit a cache of {N} rows")
+        self.cache, self.num_samples = cache, n
+        self.seq_len, self.hidden_size, self.dtype = cache.seq_len, cache.hidden_size, cache.dtype
+        self.rows_per_shard = cache.rows_per_shard
+        runs = [(start, min(N, start + n))] + ([(0, start + n - N)] if start + n > N else [])
+        self._runs = []  # (window row, cache row, rows): the contiguous pieces of the window
+        self._shards = []  # (window start, window stop) of each shard piece
+        w = 0
+        for a, b in runs:
+            self._runs.append((w, a, b - a))
+            s = a
+            while s < b:
+                e = min(b, (s // self.rows_per_shard + 1) * self.rows_per_shard)
+                self._shards.append((w + s - a, w + e - a))
+                s = e
+            w += b - a
+        self.num_shards = len(self._shards)
+
+    def shard_range(self, i: int) -> tuple[int, int]:
+        return self._shards[i]
+
+    def _pieces(self, start: int, stop: int) -> list[tuple[int, int]]:
+        out = []
+        for w, a, n in self._runs:
+            lo, hi = max(start, w), min(stop, w + n)
+            if lo < hi:
+                out.append((a + lo - w, a + hi - w))
+        return out
+
+    def read_stored(self, start: int, stop: int):
+        got = [self.cache.read_stored(a, b) for a, b in self._pieces(start, stop)]
+        if len(got) == 1:
+            return got[0]
+        sc = [g[1] for g in got]
+        return np.concatenate([g[0] for g in got]), (None if sc[0] is None else np.concatenate(sc))
+
+    def read_labels(self, start: int, stop: int):
+        got = [self.cache.read_labels(a, b) for a, b in self._pieces(start, stop)]
+        return torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
 
 
 def endless(batches, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -20,22 +20,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import numpy as np
 import torch
 
 from core import faults
 from core.config import ConfigError
-from preinfer.cache_identity import row_order, sample_indices, store_budget
+from preinfer.cache_identity import row_order, sample_indices, store_budget, visit_window
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast, compute_dtype, pin_threads, torch_dtype
 from preinfer.guards import token_record
 from preinfer.loss import count_targets, mode_loss
 from preinfer.metrics import append_metrics
-from preinfer.optim_state import load_optimizer_tensors, optimizer_tensors
+from preinfer.optim_state import SEP, load_optimizer_tensors, optimizer_tensors
 from preinfer.partition import trainable_named_parameters
 from preinfer.prefix import forward_prefix
 from preinfer.trainer import (
     CacheBatches,
+    CacheWindow,
     TokenBatches,
     build_optimizer,
     current_memory_mb,
@@ -43,6 +45,7 @@ from preinfer.trainer import (
     lr_at,
     peak_memory_mb,
     reset_peak_memory,
+    round_blocks,
     train_step,
 )
 from preinfer.visit_state import drop_state, load_state, save_state, tokens_warning
@@ -138,6 +141,15 @@ class Visit:
                     seen.add(id(p))
                     self.params.append(p)
                     self.named.setdefault(b, []).append((n, p))
+        # train.always_train: the head's own tensors (final norm, an untied LM head; block M-1's)
+        # train in this visit too, their optimizer state kept with block M-1's
+        self.always: list[tuple[str, torch.nn.Parameter]] = []
+        if "head" in cfg.train.always_train and spec.mode != "full" and K < self.M - 1:
+            head = set(self.adapter.part_names()["head"])
+            last = trainable_named_parameters(self.model, self.adapter, self.part, self.M - 1)
+            self.always = [(n, p) for n, p in last if n in head and id(p) not in seen]
+            self.params += [p for _, p in self.always]
+            self.named[self.M - 1] = self.always
         for p in self.params:
             p.requires_grad_(True)
         self.model.train(cfg.model.dropout > 0)
@@ -150,9 +162,13 @@ class Visit:
         # train.schedule=run (bcd modes): this visit's steps are positions [v*steps, (v+1)*steps)
         # of one schedule over the rotation's rounds x M visits, v its index in the rotation
         self.sched, self.lr_offset = self.tc, 0
+        # bcd modes: the visit's place in its round (train.order) picks its window of the rows
+        self.position = (
+            0 if spec.mode == "full" else round_blocks(cfg.train, self.M, spec.round).index(K)
+        )
+        self.window = visit_window(self.budget, self.position)  # (start, rows) of the round's
         if cfg.train.schedule == "run" and spec.mode != "full":
-            pos = K if cfg.train.order == "ascending" else self.M - 1 - K
-            self.lr_offset = (spec.round * self.M + pos) * steps
+            self.lr_offset = (spec.round * self.M + self.position) * steps
             self.sched = dataclasses.replace(self.tc, max_steps=cfg.train.rounds * self.M * steps)
         self._data()
 
@@ -204,14 +220,19 @@ class Visit:
             self.val_cache = open_cache(
                 root, spec.cache_val, expected_fingerprint=spec.cache_val, lease_s=lease_s
             )
-            self.batches = CacheBatches(
-                self.train_cache, buffer_mb=cfg.train.shuffle_buffer_mb, **kw
-            )
+            start, n = self.window
+            train = self.train_cache
+            if n < train.num_samples:  # this visit's window of the round's rows
+                train = CacheWindow(train, start, n)
+            self.batches = CacheBatches(train, buffer_mb=cfg.train.shuffle_buffer_mb, **kw)
         else:
             rows = None  # full: every train row
             if spec.mode != "full":  # the rows a cache of this round holds, in its row order
                 rows = sample_indices(cfg, self.budget, "train", spec.round)
                 rows = rows[row_order(cfg, "train", spec.round, len(rows))]
+                start, n = self.window  # and of them, this visit's window (as a cache reads it)
+                if n < len(rows):
+                    rows = rows[(start + np.arange(n)) % len(rows)]
             self.batches = TokenBatches(self.store, "train", indices=rows, **kw)
         if self.hooks.batches is not None:
             self.batches = self.hooks.batches(self, self.batches)
@@ -377,6 +398,9 @@ class Visit:
             "trainable_params": sum(p.numel() for p in self.params),
             "spec": asdict(spec),
         }
+        if spec.mode != "full":  # which of the round's cached rows (cache row order) it read
+            summary["rows"] = {"start": self.window[0], "rows": self.window[1],
+                               "of": self.budget.rows}  # fmt: skip
         bad_params = self._non_finite_params()
         if bad_params:
             self._diverged(spath, step, f"{bad_params} trainable tensor(s) hold NaN/inf values")
@@ -414,22 +438,39 @@ class Visit:
 
     def optimizer(self) -> torch.optim.Optimizer:
         """The visit's optimizer: fresh, or (train.keep_optimizer_state) holding the state each
-        block's last visit left in the checkpoint (fresh for a block that has none yet)."""
+        block's last visit left in the checkpoint (fresh for a block that has none yet). With
+        always-trained parts, block M-1's saved state may hold more (its layers) or fewer (only
+        the head, before its own first visit) tensors than this visit trains: what both have."""
         opt = build_optimizer(self.params, self.tc)
         if self.tc.keep_optimizer_state:
             for b, named in self.named.items():
                 saved = self.ckpt.optimizer_state(b)
-                if saved is not None:
-                    load_optimizer_tensors(opt, named, saved[1], saved_by=saved[0],
-                                           optimizer=self.tc.optimizer, what=f"block {b}")  # fmt: skip
+                if saved is None:
+                    continue
+                by, tensors = saved
+                if b == self.M - 1 and self.cfg.train.always_train and self.spec.mode != "full":
+                    names = {n for n, _ in named}
+                    tensors = {k: t for k, t in tensors.items() if k.rpartition(SEP)[0] in names}
+                    have = {k.rpartition(SEP)[0] for k in tensors}
+                    named = [(n, p) for n, p in named if n in have]
+                load_optimizer_tensors(opt, named, tensors, saved_by=by,
+                                       optimizer=self.tc.optimizer, what=f"block {b}")  # fmt: skip
         return opt
 
     def commit(self, opt: torch.optim.Optimizer) -> None:
-        """The trained blocks (one, or all M in full mode), with train.keep_optimizer_state
-        their optimizer states, in ONE checkpoint commit."""
-        states = {b: self.ckpt.block_state(self.model, self.adapter, b) for b in self.blocks}
+        """The trained blocks (one, or all M in full mode; + block M-1 when its head trained
+        alongside), with train.keep_optimizer_state their optimizer states, in ONE commit."""
+        blocks = self.blocks + ([self.M - 1] if self.always else [])
+        states = {b: self.ckpt.block_state(self.model, self.adapter, b) for b in blocks}
         optim = None
         if self.tc.keep_optimizer_state:
             optim = {b: optimizer_tensors(opt, self.named.get(b, [])) for b in self.blocks}
+            if self.always:  # block M-1's layers' saved state (its last own visit's) stays
+                saved = self.ckpt.optimizer_state(self.M - 1)
+                head = {n for n, _ in self.always}
+                kept = {}
+                if saved is not None and saved[0] == self.tc.optimizer:
+                    kept = {k: t for k, t in saved[1].items() if k.rpartition(SEP)[0] not in head}
+                optim[self.M - 1] = {**kept, **optimizer_tensors(opt, self.always)}
         self.ckpt.commit_blocks(states, optim=optim, optimizer=self.tc.optimizer,
                                 tokens=token_record(self.store))  # fmt: skip

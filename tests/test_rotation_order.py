@@ -1,6 +1,7 @@
 """Rotation options of issue #15 (B-F multiplier study): train.order=descending (blocks M-1..0,
-each boundary of a round built once at its start) and train.schedule=run (one warmup + cosine
-over the whole rotation)."""
+each boundary of a round built once at its start), train.order=random (issue #27: a permutation
+per round from (seed, round), recorded in state.json) and train.schedule=run (one warmup +
+cosine over the whole rotation)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pipelines.bcd import run_bcd
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_init import init_checkpoint
 from preinfer.guards import DiskSpaceError, check_disk_for_cache
+from preinfer.trainer import TrainConfig, round_blocks
 from preinfer.visit import VisitHooks
 from tests.pipeline_fixtures import TINY, assert_same_weights, quiet, tiny_cfg
 
@@ -166,6 +168,115 @@ def test_killed_descending_rotation_resumes_to_identical_weights(tiny_base, tmp_
     assert cache_dirs(cfg) == set()
 
 
+def test_round_blocks_orders():
+    assert round_blocks(TrainConfig(), 4, 3) == [0, 1, 2, 3]
+    assert round_blocks(TrainConfig(order="descending"), 4, 3) == [3, 2, 1, 0]
+    drawn = {
+        tuple(round_blocks(TrainConfig(order="random", seed=s), 5, r))
+        for s in range(3)
+        for r in range(4)
+    }
+    assert all(sorted(o) == [0, 1, 2, 3, 4] for o in drawn)
+    assert len(drawn) > 6  # rounds and seeds draw different permutations
+    again = round_blocks(TrainConfig(order="random", seed=1), 5, 2)
+    assert again == round_blocks(TrainConfig(order="random", seed=1), 5, 2)
+
+
+RANDOM = ("train.order=random", "train.rounds=2", "train.max_steps=2")  # seed 0: 1,0,2 / 0,2,1
+
+
+def test_random_order_trains_each_rounds_permutation_from_current_caches(tiny_run, tmp_path):
+    """Every block of every round trains once, in the recorded permutation, each from the
+    boundary that is current when it trains: the cache path gives the weights of rerunning
+    the prefix on every step (tolerance as the descending one)."""
+    cached = tiny_run(*RANDOM, *FAST)
+    want_order = [round_blocks(cached.train, 3, r) for r in (0, 1)]
+    assert want_order[0] != want_order[1] and want_order[0] != [0, 1, 2]
+    other = tmp_path / "recompute"
+    shutil.copytree(tmp_path / "run", other)
+    recompute = tiny_cfg(other, *RANDOM, *FAST, "train.mode=bcd-recompute")
+    said = []
+    a = run_bcd(
+        cached,
+        log=lambda *m, **k: said.append(" ".join(map(str, m))),
+        hooks=in_order(lambda v: None),
+    )
+    b = run_bcd(recompute, log=quiet, hooks=in_order(lambda v: None))
+    flat = [k for o in want_order for k in o]
+    assert [v["block"] for v in a["visits"]] == [v["block"] for v in b["visits"]] == flat
+    assert [v["round"] for v in a["visits"]] == [0, 0, 0, 1, 1, 1]
+    state = json.loads(Path(cached.run.dir, "state.json").read_text())
+    assert state["order"] == "random"
+    assert state["block_orders"] == {"0": want_order[0], "1": want_order[1]}
+    assert any("block order (train.order=random, seed 0)" in m for m in said)
+    got, want = weights(cached), weights(recompute)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert cache_dirs(cached) == set() and state["caches_in_use"] == []  # round ends with block 1
+
+
+def test_random_order_keeps_a_boundary_a_later_visit_reuses(tiny_run):
+    """Order 2, 1, 0 drawn at random: block 2's boundary is made as 1 built, 2 refreshed from it
+    (the compute of building 2 from tokens), and boundary 1, current while block 2 trains, is
+    kept for block 1's visit (reused, not rebuilt)."""
+    seed = next(
+        s
+        for s in range(100)
+        if round_blocks(TrainConfig(order="random", seed=s), 3, 0) == [2, 1, 0]
+    )
+    cfg = tiny_run("train.order=random", f"train.seed={seed}", "train.max_steps=1", *FAST)
+    res = run_bcd(cfg, log=quiet)
+    assert [v["block"] for v in res["visits"]] == [2, 1, 0]
+    assert [v["cache"] for v in res["visits"]] == ["refreshed", "reused", "tokens"]
+    state = json.loads(Path(cfg.run.dir, "state.json").read_text())
+    assert [(e["action"], e["boundary"]) for e in state["events"]] == [
+        ("built", 1), ("refreshed", 2), ("reused", 1)
+    ]  # fmt: skip
+    assert cache_dirs(cfg) == set()  # all dropped once block 0 trained
+
+
+def test_random_order_resume_refuses_another_seed(tiny_run):
+    fast = ("train.mode=bcd-recompute", "train.max_steps=1", "train.order=random", *FAST)
+    cfg = tiny_run(*fast)
+    run_bcd(cfg, log=quiet)
+    state_file = Path(cfg.run.dir, "state.json")
+    before, weights_before = state_file.read_bytes(), hashes(cfg)
+    other = next(
+        s
+        for s in range(1, 100)
+        if round_blocks(TrainConfig(order="random", seed=s), 3, 0) != round_blocks(cfg.train, 3, 0)
+    )
+    with pytest.raises(ConfigError, match=r"train.seed the rotation started with"):
+        run_bcd(tiny_run(*fast, f"train.seed={other}"), log=quiet)
+    assert state_file.read_bytes() == before and hashes(cfg) == weights_before
+
+
+RANDOM_KILL = ["train.order=random", "train.rounds=2", "train.max_steps=4"]
+
+
+def test_killed_random_rotation_resumes_to_identical_weights(tiny_base, tmp_path):
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    shutil.copytree(tiny_base, clean)
+    shutil.copytree(tiny_base, killed)
+    run_bcd(tiny_cfg(clean, *RANDOM_KILL), log=quiet)
+    order = round_blocks(tiny_cfg(clean, *RANDOM_KILL).train, 3, 1)
+    # round 1's 2nd visit, before step 3: a real process exit mid-block
+    args = [sys.executable, "-m", "pipelines.cli", "bcd", "--config", "configs/demo.yaml"]
+    sets = [f"run.dir={killed}", *TINY, *RANDOM_KILL]
+    args += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, faults.KILL_AT: f"1:{order[1]}:3"}
+    r = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 137, r.stderr[-3000:]
+    cfg = tiny_cfg(killed, *RANDOM_KILL)
+    state = json.loads((killed / "state.json").read_text())
+    assert state["pending"]["key"] == f"r1-b{order[1]}"
+    said = []
+    res = run_bcd(cfg, log=lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert f"  resumed bcd block {order[1]} round 1 at step 2" in said
+    assert [v["block"] for v in res["visits"]] == [*round_blocks(cfg.train, 3, 0), *order]
+    assert_same_weights(tiny_cfg(clean, *RANDOM_KILL).run.checkpoint, cfg.run.checkpoint)
+
+
 @pytest.mark.parametrize(
     ("key", "first", "then"), [("order", "descending", "ascending"), ("schedule", "run", "visit")]
 )
@@ -216,7 +327,7 @@ LR = ("train.lr=0.01", "train.warmup_steps=2", "train.min_lr_ratio=0.1", "train.
 STEPS = 3  # per visit; 2 rounds x 3 blocks x 3 = 18 steps
 
 
-@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("order", ["ascending", "descending", "random"])
 def test_run_schedule_is_one_cosine_over_the_rotation(tiny_run, tiny_base, tmp_path, order):
     cfg = tiny_run(
         *LR, f"train.max_steps={STEPS}", "train.mode=bcd-recompute", "train.schedule=run",
@@ -224,15 +335,15 @@ def test_run_schedule_is_one_cosine_over_the_rotation(tiny_run, tiny_base, tmp_p
     )  # fmt: skip
     run_bcd(cfg, log=quiet)
     got = step_lrs(cfg)
-    blocks = [0, 1, 2] if order == "ascending" else [2, 1, 0]
-    assert [(r, b) for r, b, s, _ in got[::STEPS]] == [(r, k) for r in (0, 1) for k in blocks]
+    blocks = [round_blocks(cfg.train, 3, r) for r in (0, 1)]
+    assert [(r, b) for r, b, s, _ in got[::STEPS]] == [(r, k) for r in (0, 1) for k in blocks[r]]
     total = 2 * 3 * STEPS
     want = [cosine(g, total, peak=0.01, warmup=2, floor=0.1) for g in range(total)]
     assert [lr for *_, lr in got] == pytest.approx(want, rel=1e-12)
     # visit v's steps are positions [v*steps, (v+1)*steps) of it
     for g, (r, b, s, _) in enumerate(got):
-        assert g == (r * 3 + blocks.index(b)) * STEPS + s - 1
-    if order == "descending":
+        assert g == (r * 3 + blocks[r].index(b)) * STEPS + s - 1
+    if order != "ascending":
         return
     # the same lr sequence as --mode full over its own rounds x M x steps steps (which
     # train.schedule and train.order do not change)

@@ -1,0 +1,175 @@
+"""Rows per visit (issue #27 item 2): train.cache_visits caches several visits' worth of rows per
+round, and the visits of a round read successive windows of them (different rows, where the
+round's rows allow), the same from a cache as from tokens, and again on a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from core import faults
+from core.config import ConfigError
+from pipelines.bcd import run_bcd
+from preinfer.cache_identity import visit_budget, visit_window
+from preinfer.config import load_config
+from preinfer.trainer import CacheBatches, CacheWindow, TokenBatches
+from preinfer.visit import VisitHooks
+from storage.dataset import CacheDataset
+from storage.reader import open_cache
+from tests.pipeline_fixtures import TINY, assert_same_weights, quiet, tiny_cfg, write_small_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ("train.eval_every=0", "train.checkpoint_every=0")
+# a visit reads 3 steps x batch 8 = 24 rows once (the tiny store has 261 train rows)
+ROWS = ("train.epochs=1", "train.max_steps=3")
+
+
+def budget(*sets, n_train=1000):
+    return visit_budget(load_config("configs/demo.yaml", list(sets)), n_train, 100)
+
+
+def test_cache_visits_sizes_the_rounds_rows_and_the_windows():
+    one = budget("train.max_steps=10", "train.batch_size=4")
+    assert (one.rows, one.visit_rows, one.steps) == (40, 40, 10)
+    assert [visit_window(one, p) for p in range(3)] == [(0, 40)] * 3  # today's: the same rows
+    three = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=3")
+    assert (three.rows, three.visit_rows, three.steps, three.passes) == (120, 40, 10, 1.0)
+    assert [visit_window(three, p) for p in range(3)] == [(0, 40), (40, 40), (80, 40)]
+    assert "the round caches 120 rows (cache_visits 3)" in three.why
+    # the sampled rows cap the round's: windows wrap, every visit still reads 40 rows
+    capped = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=3", n_train=100)
+    assert (capped.rows, capped.visit_rows) == (100, 40)
+    assert [visit_window(capped, p) for p in range(3)] == [(0, 40), (40, 40), (80, 40)]
+    assert "capped by 100 sampled rows" in capped.why
+    # epochs=null: every visit reads every sampled row already
+    everything = budget("train.epochs=null", "train.cache_visits=3", n_train=500)
+    assert everything.rows == everything.visit_rows == 500
+    with pytest.raises(ConfigError, match="train.cache_visits must be >= 1"):
+        budget("train.cache_visits=0.5")
+
+
+def test_cache_window_reads_the_caches_rows_wrapping(tmp_path):
+    write_small_cache(tmp_path, "c" * 64, N=24)  # 3 shards of 8 rows
+    cache = open_cache(tmp_path, "c" * 64)
+    for start, n in [(0, 24), (5, 10), (20, 9), (13, 24)]:
+        w = CacheWindow(cache, start, n)
+        rows = (start + np.arange(n)) % 24
+        want = np.concatenate([cache.read_stored(int(r), int(r) + 1)[0] for r in rows])
+        assert np.array_equal(w.read_stored(0, n)[0], want)
+        assert torch.equal(w.read_labels(0, n)[1], torch.as_tensor(rows))
+        ranges = [w.shard_range(i) for i in range(w.num_shards)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a < b and b - a <= 8 for a, b in ranges)
+        assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+        # a shuffled epoch reads each window row once
+        ds = CacheDataset(w, batch_size=3, shuffle=True, seed=1, buffer_size=4, drop_last=True)
+        seen = torch.cat([lab for _, lab in ds])
+        assert len(seen) == n // 3 * 3
+    with pytest.raises(ConfigError, match="does not fit"):
+        CacheWindow(cache, 24, 1)
+
+
+def read_rows(record):
+    """Visit hooks: every visit's rows (token-store ids) into record[(round, block)], read in
+    cache row order (unshuffled) so the cache and tokens paths train on the same batches."""
+
+    def batches(visit, default):
+        if isinstance(default, TokenBatches):
+            ids = default.rows
+        else:
+            assert isinstance(default, CacheBatches)
+            cache = default.cache
+            ids = cache.read_labels(0, cache.num_samples)[1].numpy()
+        record[(visit.spec.round, visit.K)] = np.asarray(ids)
+        default.shuffle = False
+        return default
+
+    return VisitHooks(batches=batches)
+
+
+@pytest.mark.parametrize("visits", [3, 2.5])
+def test_visits_of_a_round_read_different_rows(tiny_run, tmp_path, visits):
+    """cache_visits 3: three disjoint windows of 24 rows; 2.5 (60 rows): the third wraps to the
+    first rows. The rows are the same whether a visit reads the cache or tokens, and training
+    from the cache gives the weights of rerunning the prefix (same tolerance as
+    tests/test_rotation_order.py)."""
+    sets = (*ROWS, f"train.cache_visits={visits}", "train.rounds=2", *FAST)
+    cached = tiny_run(*sets)
+    other = tmp_path / "recompute"
+    shutil.copytree(tmp_path / "run", other)
+    recompute = tiny_cfg(other, *sets, "train.mode=bcd-recompute")
+    got, ref = {}, {}
+    res = run_bcd(cached, log=quiet, hooks=read_rows(got))
+    run_bcd(recompute, log=quiet, hooks=read_rows(ref))
+    assert got.keys() == ref.keys() and len(got) == 6
+    for key in got:
+        assert np.array_equal(got[key], ref[key]), key
+        assert len(got[key]) == 24
+    for r in (0, 1):
+        a, b, c = (set(got[(r, k)].tolist()) for k in range(3))
+        assert not a & b and not b & c
+        if visits == 3:
+            assert not a & c
+        else:  # 60 rows: the third window is rows 48..59 and 0..11 of the round's
+            assert len(a & c) == 12
+    assert got[(0, 0)].tolist() != got[(1, 0)].tolist()  # each round its own sample
+    windows = [(v["round"], v["block"], v["rows"]) for v in res["visits"]]
+    R = 72 if visits == 3 else 60
+    assert windows[:3] == [(0, k, {"start": 24 * k % R, "rows": 24, "of": R}) for k in range(3)]
+    state = json.loads(Path(cached.run.dir, "state.json").read_text())
+    assert state["cache_visits"] == visits
+    from tests.test_rotation_order import weights
+
+    w_cache, w_ref = weights(cached), weights(recompute)
+    for name in w_cache:
+        torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_random_order_windows_follow_the_visits_place_in_its_round(tiny_run):
+    cfg = tiny_run(*ROWS, "train.cache_visits=3", "train.order=random", "train.max_steps=3",
+                   "train.mode=bcd-recompute", *FAST)  # fmt: skip
+    res = run_bcd(cfg, log=quiet)
+    order = json.loads(Path(cfg.run.dir, "state.json").read_text())["block_orders"]["0"]
+    assert [v["block"] for v in res["visits"]] == order
+    assert [v["rows"]["start"] for v in res["visits"]] == [0, 24, 48]
+
+
+def test_another_cache_visits_on_a_started_rotation_is_refused(tiny_run):
+    fast = (*ROWS, "train.mode=bcd-recompute", "train.max_steps=1", *FAST)
+    cfg = tiny_run(*fast, "train.cache_visits=3")
+    run_bcd(cfg, log=quiet)
+    with pytest.raises(ConfigError, match=r"train.cache_visits=3"):
+        run_bcd(tiny_run(*fast, "train.rounds=2"), log=quiet)
+
+
+KILL_SETS = [*ROWS, "train.max_steps=4", "train.cache_visits=3"]  # TINY: checkpoint_every=2
+
+
+def test_killed_rotation_with_windows_resumes_to_identical_weights(tiny_base, tmp_path):
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    shutil.copytree(tiny_base, clean)
+    shutil.copytree(tiny_base, killed)
+    run_bcd(tiny_cfg(clean, *KILL_SETS), log=quiet)
+    args = [sys.executable, "-m", "pipelines.cli", "bcd", "--config", "configs/demo.yaml"]
+    sets = [f"run.dir={killed}", *TINY, *KILL_SETS]
+    args += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, faults.KILL_AT: "0:1:3"}  # block 1 (its window: rows 32..63), step 3
+    r = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 137, r.stderr[-3000:]
+    said = []
+    res = run_bcd(
+        tiny_cfg(killed, *KILL_SETS), log=lambda *a, **k: said.append(" ".join(map(str, a)))
+    )
+    assert "  resumed bcd block 1 round 0 at step 2" in said
+    assert [v["rows"]["start"] for v in res["visits"]] == [0, 32, 64]
+    assert_same_weights(
+        tiny_cfg(clean, *KILL_SETS).run.checkpoint, tiny_cfg(killed, *KILL_SETS).run.checkpoint
+    )
