@@ -160,7 +160,7 @@ def common_overrides(sc: Scale, work: Path, model_dir: Path, jsonl: Path) -> lis
         f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
         f"train.rounds={sc.rounds}", "train.epochs=1", f"train.warmup_steps={sc.warmup_steps}",
         "train.eval_every=0", f"train.eval_batches={sc.eval_batches}", "train.workers=0",
-        "train.checkpoint_every=0", "run.device=cpu", "run.tensorboard=false",
+        "train.checkpoint_every=0", "run.device=cpu", "run.precision=fp32", "run.tensorboard=false",
         "preinfer.executor=local",
     ]  # fmt: skip
 

@@ -39,7 +39,7 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where compute runs; auto = cuda when available."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Training precision; auto = bf16 autocast where the device computes bf16 natively (CUDA, CPUs with AVX512-BF16/AMX), fp32 elsewhere."""
+    """Training precision; auto = bf16 autocast on CUDA and AMX-BF16 CPUs, fp32 elsewhere."""
     verbose: bool = False
     """Show Ray's own log lines and its workers' output here (else they stay in Ray's session logs)."""
     tensorboard: bool = True

@@ -30,9 +30,10 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 def training_precision(device: torch.device, precision: str = "auto") -> tuple[str, str]:
     """Resolve run.precision for training on `device`: ("bf16" | "fp32", why). auto = bf16
-    autocast where the device computes bf16 natively (CUDA; a CPU with AVX512-BF16/AMX, the
-    rule pre-inference's compute dtype follows), fp32 elsewhere (an AVX2 CPU emulates bf16
-    matmuls ~50x slower than fp32)."""
+    autocast on CUDA and on CPUs with AMX-BF16 tiles; fp32 elsewhere. A CPU with AVX512-BF16
+    but no AMX computes bf16 natively, yet a visit trained no faster under bf16 autocast than
+    in fp32 there (docs/usage.md, bench/train_precision.py: 0.98x and 0.84x), and an AVX2 CPU
+    emulates bf16 matmuls ~50x slower than fp32."""
     if precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.precision must be auto, fp32 or bf16, got {precision!r}")
     if precision != "auto":
@@ -41,9 +42,14 @@ def training_precision(device: torch.device, precision: str = "auto") -> tuple[s
         return "bf16", "run.precision=auto: bf16 autocast on CUDA"
     if device.type != "cpu":
         return "fp32", f"run.precision=auto: fp32 on {device.type}"
-    fast, cap = cpu_native_bf16()
-    if fast:
-        return "bf16", f"run.precision=auto: CPU capability {cap}, native bf16: bf16 autocast"
+    native, cap = cpu_native_bf16()
+    if cpu_amx_bf16():
+        return "bf16", f"run.precision=auto: CPU capability {cap}, AMX-BF16: bf16 autocast"
+    if native:
+        return "fp32", (
+            f"run.precision=auto: CPU capability {cap}, bf16 without AMX (bf16 autocast "
+            "trains no faster there): fp32"
+        )
     return "fp32", f"run.precision=auto: CPU capability {cap}, no native bf16 matmul: fp32"
 
 
@@ -80,6 +86,13 @@ def cpu_native_bf16() -> tuple[bool, str]:
     have = [k for k in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16") if caps.get(k) is True]
     cap = torch.backends.cpu.get_cpu_capability()
     return bool(have), f"{cap}{' + ' + ', '.join(have) if have else ''}"
+
+
+@functools.cache
+def cpu_amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (Sapphire Rapids and later): where bf16 training on
+    the CPU pays."""
+    return torch.cpu.get_capabilities().get("amx_bf16") is True
 
 
 @dataclass(frozen=True)

@@ -244,8 +244,16 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
         pre = sum(fl.preinfer(k) for k in range(1, M)) * cached * p.seq
         pre /= o.cards * peak["infer"] * o.mfu
     read = steps / M / cfg.train.rounds * p.batch * o.cards  # samples one block visit reads
-    out["cache_use"] = {"cached_per_boundary": cached, "read_per_visit": round(read),
-                        "why": budget.why if budget else None}  # fmt: skip
+    out["cache_use"] = {
+        "cached_per_boundary": cached, "read_per_visit": round(read),
+        "visit_rows": budget.visit_rows if budget else None,
+        "cache_visits": cfg.train.cache_visits,
+        # rows a round's M visits read between them: train.cache_visits trades cache size
+        # against data diversity (1 = every visit the same rows)
+        "distinct_per_round": min(budget.rows, M * budget.visit_rows) if budget else None,
+        "steps_per_visit": budget.steps if budget else None,
+        "why": budget.why if budget else None,
+    }  # fmt: skip
     for name, bf in (("bcd_average", o.bf_average), ("bcd_worst", o.bf_worst)):
         if any(t is None for t, _ in times):
             out[name] = {"multiplier": bf, "hours": None, "cost": None}
@@ -354,7 +362,15 @@ def format_plan(plan: dict) -> str:
         out.append(f"  {name:22s} cards {r.get('cards') or '-'}  hours "
                    f"{'-' if h is None else f'{h:,.1f}'}  cost {_usd(cost)}{extra}")  # fmt: skip
     use = c["cache_use"]
-    if use["cached_per_boundary"] and use["cached_per_boundary"] > 2 * use["read_per_visit"]:
+    if use["visit_rows"]:
+        out.append(f"  rows: each boundary caches {use['cached_per_boundary']:,} train rows per "
+                   f"round (train.cache_visits {use['cache_visits']:g}); each visit reads a window "
+                   f"of {use['visit_rows']:,} ({use['steps_per_visit']} steps); a round's visits "
+                   f"read {use['distinct_per_round']:,} distinct rows")  # fmt: skip
+    meant = use["distinct_per_round"] or use["read_per_visit"]  # a larger cache is on purpose
+    if use["cached_per_boundary"] and use["cached_per_boundary"] > 2 * max(
+        use["read_per_visit"], meant
+    ):
         frac = use["read_per_visit"] / use["cached_per_boundary"]
         out.append(f"  note: each round caches {use['cached_per_boundary']:,} samples per boundary "
                    f"but a block visit reads ~{use['read_per_visit']:,}: "

@@ -217,6 +217,23 @@ def test_cli_prints_a_report_and_json(tiny_run, capsys):
     assert data["samples"]["train"] == 200 and data["cache"]["fits"] in (True, False)
 
 
+@pytest.mark.parametrize("cache_visits", [1, 3])
+def test_plan_shows_rows_per_visit_and_what_a_round_reads(tmp_path, capsys, cache_visits):
+    """train.cache_visits trades the cache's size for the rows a round's visits read: 1 = every
+    visit the same window, M = a window each (train rows allowing)."""
+    cfg = load_config(None, [f"run.dir={tmp_path}", *TINY, "train.max_steps=5", "train.epochs=1",
+                             f"train.cache_visits={cache_visits}"])  # fmt: skip
+    _tokens(cfg, 200, 20)
+    assert plan.run_plan(cfg, _args("--json", "--card", "cpu")) == 0
+    use = json.loads(capsys.readouterr().out)["cost"]["cache_use"]
+    assert use["visit_rows"] == 20 and use["cache_visits"] == cache_visits  # 5 steps x batch 4
+    assert use["cached_per_boundary"] == use["distinct_per_round"] == 20 * cache_visits
+    assert plan.run_plan(cfg, _args("--card", "cpu")) == 0
+    text = capsys.readouterr().out
+    assert f"each boundary caches {20 * cache_visits} train rows per round" in text
+    assert f"read {20 * cache_visits} distinct rows" in text and "note:" not in text
+
+
 def test_bad_options_are_config_errors(tiny_run):
     with pytest.raises(ConfigError, match="card"):
         plan.build_plan(tiny_run, plan.PlanOptions(card="tpu"))

@@ -1,6 +1,6 @@
-"""Training precision (issue #25 item 5): run.precision=auto is bf16 autocast where the device
-computes bf16 natively (CUDA; a CPU with AVX512-BF16/AMX), fp32 elsewhere, said once in the
-log; the bf16 path itself trains (forced, tiny, on every machine)."""
+"""Training precision (issue #25 item 5): run.precision=auto is bf16 autocast on CUDA and on a
+CPU with AMX-BF16, fp32 elsewhere (AVX512-BF16 without AMX trained no faster in bf16), said
+once in the log; the bf16 path itself trains (forced, tiny, on every machine)."""
 
 from __future__ import annotations
 
@@ -36,9 +36,10 @@ def test_auto_follows_this_cpus_bf16_instructions():
     flags = cpuinfo_flags()
     if flags is None:
         pytest.skip("no /proc/cpuinfo flags on this system")
-    want = "bf16" if flags & NATIVE_FLAGS else "fp32"
+    want = "bf16" if "amx_bf16" in flags else "fp32"
     name, why = training_precision(CPU, "auto")
     assert name == want, (why, sorted(flags & NATIVE_FLAGS))
+    assert ("without AMX" in why) == bool(flags & NATIVE_FLAGS and "amx_bf16" not in flags)
     assert why.startswith("run.precision=auto: CPU capability")
     a, b = torch.randn(4, 8), torch.randn(8, 4)
     with autocast(CPU, "auto"):
@@ -46,9 +47,12 @@ def test_auto_follows_this_cpus_bf16_instructions():
     assert got == (torch.bfloat16 if want == "bf16" else torch.float32)
 
 
-@pytest.mark.parametrize(("native", "want"), [(True, "bf16"), (False, "fp32")])
-def test_auto_on_a_cpu_with_and_without_native_bf16(monkeypatch, native, want):
+@pytest.mark.parametrize(
+    ("amx", "native", "want"), [(True, True, "bf16"), (False, True, "fp32"), (False, False, "fp32")]
+)
+def test_auto_on_a_cpu_with_and_without_native_bf16(monkeypatch, amx, native, want):
     monkeypatch.setattr(device_mod, "cpu_native_bf16", lambda: (native, "TEST"))
+    monkeypatch.setattr(device_mod, "cpu_amx_bf16", lambda: amx)
     assert training_precision(CPU, "auto")[0] == want
     with autocast(CPU, "auto"):
         dtype = (torch.randn(2, 2) @ torch.randn(2, 2)).dtype
