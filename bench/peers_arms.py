@@ -21,7 +21,7 @@ import transformers as tf
 from bench.harness import load_average
 from bench.peers_data import FINETUNE, INSTALL, ROOT, eval_run, quiet
 from pipelines.bcd import load_state, run_bcd
-from preinfer.cache_identity import row_order, sample_indices, store_budget
+from preinfer.cache_identity import store_budget, visit_train_rows
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.loss import evaluate_tokens, lm_loss
@@ -33,6 +33,7 @@ from preinfer.trainer import (
     lr_at,
     peak_memory_mb,
     reset_peak_memory,
+    round_blocks,
 )
 from preinfer.visit import VisitHooks
 from storage.tokens import IGNORE, TokenStore
@@ -162,12 +163,11 @@ def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(lm.lm_head(hidden[keep])[None], labels[keep][None])
 
 
-def visit_batches(cfg, store: TokenStore, budget, r: int, k: int) -> TokenBatches:
-    """The batches of the rotation's visit (round r, block k) as bcd-recompute reads them
-    (preinfer.visit.Visit._data's rule): the round's sampled rows in cache row order, shuffled
-    with the visit's seed."""
-    rows = sample_indices(cfg, budget, "train", r)
-    rows = rows[row_order(cfg, "train", r, len(rows))]
+def visit_batches(cfg, store: TokenStore, budget, r: int, k: int, M: int) -> TokenBatches:
+    """The batches of the rotation's visit (round r, block k) as bcd-recompute reads them: the
+    visit's rows (preinfer.cache_identity.visit_train_rows: the round's sampled rows in cache
+    row order, the window of the visit's place in its round), shuffled with the visit's seed."""
+    rows = visit_train_rows(cfg, budget, r, round_blocks(cfg.train, M, r).index(k))
     seed = (cfg.train.seed * 1000 + r) * 1000 + k
     return TokenBatches(store, "train", indices=rows, batch_size=cfg.train.batch_size, seed=seed)
 
@@ -254,7 +254,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakRss) -> dict:
         curve = [{"steps": 0, "seconds": clock.now(), "loss": evaluate()}]
     step, trainable = 0, []
     for r, k in itertools.product(range(rounds), range(M)):
-        batches = endless(visit_batches(cfg, store, budget, r, k))
+        batches = endless(visit_batches(cfg, store, budget, r, k, M))
         trainable.append(sum(p.numel() for p in model.parameters() if p.requires_grad))
         for x, labels in itertools.islice(batches, per_visit):
             for g in opt.param_groups:  # BAdam copies group 0's lr to its active groups

@@ -202,6 +202,17 @@ def row_order(cfg, split: str, round_: int, n: int) -> np.ndarray:
     return np.random.default_rng([cfg.train.seed, round_, 104729]).permutation(n)
 
 
+def visit_train_rows(cfg, budget: VisitBudget, round_: int, position: int) -> np.ndarray:
+    """Token-store train row indices a bcd visit reads, in the order its boundary cache holds
+    them: the round's sampled rows (sample_indices) in cache row order (row_order), and of
+    them the window of the visit at `position` in its round (visit_window). A visit from the
+    cache reads the same rows at cache indices [start, start + rows) (wrapping)."""
+    rows = sample_indices(cfg, budget, "train", round_)
+    rows = rows[row_order(cfg, "train", round_, len(rows))]
+    start, n = visit_window(budget, position)
+    return rows if n >= len(rows) else rows[(start + np.arange(n)) % len(rows)]
+
+
 def sampling_spec(cfg, budget: VisitBudget, split: str, round_: int) -> dict:
     """The fingerprint's record of which rows: as before train.epochs existed where the rows
     are the ones that rule gave (those caches keep their fingerprints), plus `rows` otherwise."""

@@ -20,12 +20,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
-import numpy as np
 import torch
 
 from core import faults
 from core.config import ConfigError
-from preinfer.cache_identity import row_order, sample_indices, store_budget, visit_window
+from preinfer.cache_identity import store_budget, visit_train_rows, visit_window
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast, compute_dtype, pin_threads, torch_dtype
@@ -227,12 +226,8 @@ class Visit:
             self.batches = CacheBatches(train, buffer_mb=cfg.train.shuffle_buffer_mb, **kw)
         else:
             rows = None  # full: every train row
-            if spec.mode != "full":  # the rows a cache of this round holds, in its row order
-                rows = sample_indices(cfg, self.budget, "train", spec.round)
-                rows = rows[row_order(cfg, "train", spec.round, len(rows))]
-                start, n = self.window  # and of them, this visit's window (as a cache reads it)
-                if n < len(rows):
-                    rows = rows[(start + np.arange(n)) % len(rows)]
+            if spec.mode != "full":  # this visit's window of the round's rows, as a cache reads it
+                rows = visit_train_rows(cfg, self.budget, spec.round, self.position)
             self.batches = TokenBatches(self.store, "train", indices=rows, **kw)
         if self.hooks.batches is not None:
             self.batches = self.hooks.batches(self, self.batches)
