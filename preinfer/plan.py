@@ -367,10 +367,10 @@ def format_plan(plan: dict) -> str:
                    f"round (train.cache_visits {use['cache_visits']:g}); each visit reads a window "
                    f"of {use['visit_rows']:,} ({use['steps_per_visit']} steps); a round's visits "
                    f"read {use['distinct_per_round']:,} distinct rows")  # fmt: skip
-    meant = use["distinct_per_round"] or use["read_per_visit"]  # a larger cache is on purpose
-    if use["cached_per_boundary"] and use["cached_per_boundary"] > 2 * max(
-        use["read_per_visit"], meant
-    ):
+    meant = max(
+        use["read_per_visit"], use["distinct_per_round"] or 0
+    )  # a larger cache is on purpose
+    if use["cached_per_boundary"] and use["cached_per_boundary"] > 2 * meant:
         frac = use["read_per_visit"] / use["cached_per_boundary"]
         out.append(f"  note: each round caches {use['cached_per_boundary']:,} samples per boundary "
                    f"but a block visit reads ~{use['read_per_visit']:,}: "
