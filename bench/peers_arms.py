@@ -21,7 +21,7 @@ import transformers as tf
 from bench.harness import load_average
 from bench.peers_data import FINETUNE, INSTALL, ROOT, eval_run, quiet
 from pipelines.bcd import load_state, run_bcd
-from preinfer.cache_identity import store_budget, visit_train_rows
+from preinfer.cache_identity import store_budget, visit_data_seed, visit_train_rows
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.loss import evaluate_tokens, lm_loss
@@ -168,8 +168,13 @@ def visit_batches(cfg, store: TokenStore, budget, r: int, k: int, M: int) -> Tok
     visit's rows (preinfer.cache_identity.visit_train_rows: the round's sampled rows in cache
     row order, the window of the visit's place in its round), shuffled with the visit's seed."""
     rows = visit_train_rows(cfg, budget, r, round_blocks(cfg.train, M, r).index(k))
-    seed = (cfg.train.seed * 1000 + r) * 1000 + k
-    return TokenBatches(store, "train", indices=rows, batch_size=cfg.train.batch_size, seed=seed)
+    return TokenBatches(
+        store,
+        "train",
+        indices=rows,
+        batch_size=cfg.train.batch_size,
+        seed=visit_data_seed(cfg, r, k),
+    )
 
 
 def layer_prefixes(blocks: list[tuple[int, int]]) -> list[list[str]]:

@@ -202,6 +202,12 @@ def row_order(cfg, split: str, round_: int, n: int) -> np.ndarray:
     return np.random.default_rng([cfg.train.seed, round_, 104729]).permutation(n)
 
 
+def visit_data_seed(cfg, round_: int, block: int) -> int:
+    """The seed of a bcd visit's batch order (the shuffle of its rows), per (train.seed, round,
+    block)."""
+    return (cfg.train.seed * 1000 + round_) * 1000 + block
+
+
 def visit_train_rows(cfg, budget: VisitBudget, round_: int, position: int) -> np.ndarray:
     """Token-store train row indices a bcd visit reads, in the order its boundary cache holds
     them: the round's sampled rows (sample_indices) in cache row order (row_order), and of

@@ -24,7 +24,7 @@ import torch
 
 from core import faults
 from core.config import ConfigError
-from preinfer.cache_identity import store_budget, visit_train_rows, visit_window
+from preinfer.cache_identity import store_budget, visit_data_seed, visit_train_rows, visit_window
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast, compute_dtype, pin_threads, torch_dtype
@@ -203,7 +203,7 @@ class Visit:
 
     def _data(self) -> None:
         cfg, spec = self.cfg, self.spec
-        seed = (cfg.train.seed * 1000 + spec.round) * 1000 + spec.block  # data order per visit
+        seed = visit_data_seed(cfg, spec.round, spec.block)
         kw = dict(
             batch_size=cfg.train.batch_size,
             seed=seed,
