@@ -83,7 +83,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_x:
                     dx[a : a + chunk] = (g @ w).to(x.dtype)  # (c, H)
                 if need_w:
-                    dw += (g.T @ xc).float()  # (V, H)
+                    if g.dtype == torch.float32:
+                        dw.addmm_(g.T, xc)  # (V, H), accumulated in place: no (V, H) temporary
+                    else:
+                        dw += (g.T @ xc).float()
                     if db is not None:
                         db += g.float().sum(0)
             else:
