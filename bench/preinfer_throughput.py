@@ -19,7 +19,9 @@ Arms: throughput = bare forward vs build in process (preinfer.executor=local);
 actors = the same with 2 Ray actors (and 1), each repeat next to a bare forward;
 overlap = build in process with preinfer.write_queue=0 (each shard compressed whole after its
 compute) vs the config's queue (each micro-batch compressed while the next computes);
-refresh = refresh of boundary K from K-1 vs build of K from tokens, K = 2, 3.
+refresh = refresh of boundary K from K-1 vs build of K from tokens, K = 2, 3;
+dtype = the bare forward computing in bf16 (reference) vs in fp32 rounded to bf16 at each block
+boundary (what preinfer.compute_dtype auto picks between on a CPU).
 --s3 puts cache.root on a moto S3 server (its own process; bench/writer.py's), the writer's
 slowest link.
 """
@@ -220,6 +222,11 @@ def _run(args, over: list[str], tag: str) -> dict:
         for n in args.bare_threads:  # the bare forward on other thread counts, for contrast
             fns[f"bare, {n} thread(s)"] = lambda n=n: with_threads(n, lambda: bare(batches))
         res["arms"]["throughput"] = paired(lambda: bare(batches), fns, args.repeats)
+    if "dtype" in args.arms:  # the forward in bf16 against fp32 rounded to bf16 per block
+        f32 = BareForward(load_config(args.config, [*over, "preinfer.compute_dtype=fp32"]), K)
+        b16 = BareForward(load_config(args.config, [*over, "preinfer.compute_dtype=bf16"]), K)
+        res["arms"]["dtype"] = paired(lambda: b16(batches), {"fp32 rounded": lambda: f32(batches)},
+                                      args.repeats)  # fmt: skip
     if "overlap" in args.arms:
         q0 = load_config(args.config, [*over, "preinfer.executor=local", "preinfer.write_queue=0"])
         res["arms"]["overlap"] = paired(
@@ -323,7 +330,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="20 documents (make bench)")
     ap.add_argument("--set", nargs="+", default=[], help="config overrides (e.g. a wider model)")
     ap.add_argument("--arms", nargs="+", default=["throughput"],
-                    choices=["throughput", "actors", "overlap", "refresh"])  # fmt: skip
+                    choices=["throughput", "actors", "overlap", "refresh", "dtype"])  # fmt: skip
     ap.add_argument("--s3", action="store_true", help="cache.root on a moto S3 server")
     ap.add_argument("--bare-threads", type=int, nargs="*", default=[],
                     help="also the bare forward on these torch thread counts (e.g. 1)")  # fmt: skip
