@@ -9,6 +9,7 @@
         # --work keeps the data, token store and init checkpoint for a rerun)
     python -m bench.peers --quick --model tiny --inline # a tiny random LLaMA, arms in this process
         # (tests/test_peers_bench.py; --inline: peak RSS is then not each arm's own)
+    python -m bench.peers --quick --sweep               # the quick steps, 3 lrs per arm swept
 
 Without the real model or the `real` extra (badam, peft) the default run prints why and
 returns {"skipped": ...} (`make bench` runs every bench module's --quick form).
@@ -212,6 +213,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--steps", type=int, default=None, help="steps per block visit")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="the full form's 3 lrs per arm at this scale (e.g. with --quick)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of each arm and of the evaluations (default 1: on a busy "
                          "machine two threads wait on each other; 0 = torch's default)")  # fmt: skip
@@ -229,6 +232,8 @@ def main(argv=None) -> dict:
     for name, v in (("seeds", a.seeds), ("steps_per_visit", a.steps), ("rounds", a.rounds)):
         if v is not None:
             setattr(sc, name, v)
+    if a.sweep:
+        sc.lrs = dict(FULL.lrs)
     if "bcd" not in a.arms:
         raise SystemExit("--arms must include bcd: every target is a ratio to it")
     missing = missing_parts(a.model, a.arms)
@@ -295,6 +300,7 @@ def main(argv=None) -> dict:
     print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s; "
           f"{os.cpu_count()} CPUs; {'arms in one process' if a.inline else 'one process per arm'})")  # fmt: skip
     name = "peers" + ("-tiny" if a.model == "tiny" else "-quick" if a.quick else "")
+    name += "-sweep" if a.sweep and a.quick else ""
     out = Path(a.out) if a.out else results_path(name)
     write_results(out, without_paths(res, {str(work): "<work>", str(ROOT): "<repo>"}))
     print(f"results: {out}")

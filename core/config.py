@@ -9,6 +9,7 @@ is allowed. Nothing here knows the concrete configs.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -57,6 +58,9 @@ def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
+
+
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def coerce(value: Any, tp: Any, where: str) -> Any:
@@ -109,6 +113,10 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads an exponent without a dot (1e-4, 3e-05: what Python's :g writes) as
+        # a string
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
             return float(value)
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if tp is str:

@@ -96,3 +96,17 @@ def test_codec_threads_come_from_the_config():
     assert shard_codec.CODEC_THREADS == shard_codec.DEFAULT_CODEC_THREADS
     with pytest.raises(ConfigError, match="codec_threads"):
         load_config(None, ["cache.codec_threads=0"])
+
+
+def test_a_float_with_an_exponent_and_no_dot_is_a_number(tmp_path):
+    """YAML 1.1 reads 1e-4 and 3e-05 (what Python's :g writes) as strings; a float field takes
+    them as numbers, in a file and in an override, and still refuses words."""
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr: 1e-4\n")
+    assert load_config(p).train.lr == 1e-4
+    assert load_config(p, ["train.lr=3e-05"]).train.lr == 3e-05
+    assert load_config(p, ["train.lr=2E+1"]).train.lr == 20.0
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(p, ["train.lr=fast"])
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(p, ["train.lr=1e"])
