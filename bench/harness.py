@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -55,3 +56,9 @@ def headline_table(rows: list[tuple]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
     return "\n".join(out)
+
+
+def spread(xs: list[float]) -> dict:
+    """Median, min, max, count and the values of a bench's repeated measurements."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs),
+            "values": xs}  # fmt: skip

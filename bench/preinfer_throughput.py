@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import load_average, results_path, write_results
+from bench.harness import load_average, results_path, spread, write_results
 from bench.writer import moto_server
 from pipelines.cache_build import build_cache, refresh_cache
 from pipelines.init import run_init
@@ -140,11 +140,6 @@ def with_threads(n: int, fn):
         return fn()
     finally:
         pin_threads(was)
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs),
-            "values": xs}  # fmt: skip
 
 
 def paired(bare_fn, build_fns: dict, repeats: int) -> dict:

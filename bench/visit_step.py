@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import load_average, results_path, write_results
+from bench.harness import load_average, results_path, spread, write_results
 from bench.peers_arms import BETAS, GRAD_CLIP, WEIGHT_DECAY, layer_prefixes, response_loss
 from bench.peers_data import INSTALL, ROOT
 from preinfer.adapters import forward_blocks
@@ -108,10 +108,6 @@ class BadamArm:
         self.opt.step()
         t3 = time.perf_counter()
         return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def run(args) -> dict:
