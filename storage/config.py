@@ -70,6 +70,8 @@ class StorageConfig:
     """Attempts per object-store request before an error is raised."""
     connect_timeout_s: float = 10.0
     """Seconds to wait for a connection to the endpoint."""
+    read_timeout_s: float = 60.0
+    """Seconds to wait for a response before the request is abandoned and retried."""
 
     def __post_init__(self):
         if self.endpoint_url is not None:
@@ -104,6 +106,8 @@ class StorageConfig:
             raise ConfigError(
                 f"storage.connect_timeout_s must be > 0, got {self.connect_timeout_s}"
             )
+        if self.read_timeout_s <= 0:
+            raise ConfigError(f"storage.read_timeout_s must be > 0, got {self.read_timeout_s}")
 
 
 # A worker process gets the driver's credentials through these environment variables, never

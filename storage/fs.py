@@ -114,6 +114,7 @@ def s3_options(cfg: StorageConfig) -> dict:
         "client_kwargs": client,
         "config_kwargs": {
             "connect_timeout": cfg.connect_timeout_s,
+            "read_timeout": cfg.read_timeout_s,
             "retries": {"max_attempts": cfg.retries, "mode": "standard"},
         },
     }
@@ -195,6 +196,12 @@ def _probe_s3(fs, bucket: str, where: str) -> None:
         raise StorageError(
             f"{where}: cannot reach the object store at {endpoint} ({e}); check "
             "storage.endpoint_url (scheme, host, port) and that the server is running"
+        ) from None
+    except bx.ReadTimeoutError as e:
+        raise StorageError(
+            f"{where}: the object store at {endpoint} took the connection but did not answer "
+            f"within storage.read_timeout_s={_cfg.read_timeout_s} s, {_cfg.retries} times "
+            f"({e}); check that the server is healthy, or raise storage.read_timeout_s"
         ) from None
     except bx.NoCredentialsError:
         raise StorageError(

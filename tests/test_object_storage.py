@@ -8,9 +8,12 @@ without a manifest / checkpoint.json is incomplete and refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,34 +44,86 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on 127.0.0.1 with one bucket; yields the --set options to reach it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1 with one bucket; yields the --set options to reach it.
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no request log lines
+    The server runs in its own process: as a thread of the test process it shares that
+    process's interpreter lock, forks and exit handlers, and once stopped answering for a
+    whole test on a loaded CI machine (a HEAD read timeout)."""
+    import boto3
+
+    log = tmp_path_factory.mktemp("moto") / "server.log"
     port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     endpoint = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=BUCKET)
-    opts = [
-        f"storage.endpoint_url={endpoint}",
-        "storage.key=testing",
-        "storage.secret=testing",
-        "storage.region=us-east-1",
-    ]
     try:
+        _wait_until_serving(server, port, log)
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket=BUCKET)
+        opts = [
+            f"storage.endpoint_url={endpoint}",
+            "storage.key=testing",
+            "storage.secret=testing",
+            "storage.region=us-east-1",
+        ]
         yield {"endpoint": endpoint, "sets": opts}
     finally:
-        server.stop()
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
         fs.configure(None)
+
+
+@contextlib.contextmanager
+def _silent_server():
+    """A port on 127.0.0.1 that accepts connections and never sends a byte."""
+    held = []
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(64)
+        srv.settimeout(0.2)
+        stop = threading.Event()
+
+        def accept():
+            while not stop.is_set():
+                with contextlib.suppress(OSError):  # the 0.2 s accept timeout
+                    held.append(srv.accept()[0])
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        try:
+            yield srv.getsockname()[1]
+        finally:
+            stop.set()
+            t.join()
+            for c in held:
+                c.close()
+
+
+def _wait_until_serving(server: subprocess.Popen, port: int, log: Path, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"moto server exited ({server.returncode}): {log.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"moto server not serving on port {port} after {timeout_s} s")
 
 
 @pytest.fixture
@@ -112,6 +167,9 @@ def test_urls_stay_urls_and_options_are_checked(s3_run):
         StorageConfig(anon=True, key="k", secret="s")
     with pytest.raises(ConfigError, match="storage.retries must be >= 1"):
         StorageConfig(retries=0)
+    with pytest.raises(ConfigError, match="storage.read_timeout_s must be > 0"):
+        StorageConfig(read_timeout_s=0)
+    assert fs.s3_options(StorageConfig(read_timeout_s=7.0))["config_kwargs"]["read_timeout"] == 7.0
 
 
 def test_bad_inputs_are_clear_errors(s3, tmp_path):
@@ -137,6 +195,20 @@ def test_bad_inputs_are_clear_errors(s3, tmp_path):
     with pytest.raises(fs.StorageError, match="cannot reach the object store at http://127"):
         TokenStore.exists(f"s3://{BUCKET}/tokens")
     assert time.perf_counter() - t0 < 20
+    with _silent_server() as port:  # takes connections, never answers
+        fs.configure(
+            StorageConfig(
+                endpoint_url=f"http://127.0.0.1:{port}",
+                key="testing",
+                secret="testing",
+                retries=1,
+                read_timeout_s=0.5,
+            )
+        )
+        t0 = time.perf_counter()
+        with pytest.raises(fs.StorageError, match="did not answer within storage.read_timeout_s"):
+            TokenStore.exists(f"s3://{BUCKET}/tokens")
+        assert time.perf_counter() - t0 < 20
     # the CLI: one line, exit 2
     code = cli(["cache", "ls", "nosuch://x/y"])
     assert code == 2
