@@ -10,6 +10,8 @@
     python -m bench.peers --quick --model tiny --inline # a tiny random LLaMA, arms in this process
         # (tests/test_peers_bench.py; --inline: peak RSS is then not each arm's own)
     python -m bench.peers --quick --sweep               # the quick steps, 3 lrs per arm swept
+    python -m bench.peers --seeds 0 --lrs full=3e-5,1e-4,3e-4   # the full form's sweep only,
+        # with full's grid moved up one step
 
 Without the real model or the `real` extra (badam, peft) the default run prints why and
 returns {"skipped": ...} (`make bench` runs every bench module's --quick form).
@@ -215,6 +217,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--sweep", action="store_true",
                     help="the full form's 3 lrs per arm at this scale (e.g. with --quick)")  # fmt: skip
+    ap.add_argument("--lrs", action="append", default=[], metavar="ARM=LR,LR,...",
+                    help="an arm's lr grid (repeatable), e.g. badam-blocks=1e-4,3e-4,1e-3")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of each arm and of the evaluations (default 1: on a busy "
                          "machine two threads wait on each other; 0 = torch's default)")  # fmt: skip
@@ -234,6 +238,15 @@ def main(argv=None) -> dict:
             setattr(sc, name, v)
     if a.sweep:
         sc.lrs = dict(FULL.lrs)
+    sc.lrs = dict(sc.lrs)  # the preset's own dict stays as it is
+    for item in a.lrs:
+        arm, _, grid = item.partition("=")
+        if arm not in sc.lrs or not grid:
+            ap.error(f"--lrs {item!r}: give ARM=LR,LR,... with ARM one of {sorted(sc.lrs)}")
+        try:
+            sc.lrs[arm] = [float(x) for x in grid.split(",")]
+        except ValueError:
+            ap.error(f"--lrs {item!r}: the lrs must be numbers, e.g. {arm}=1e-4,3e-4")
     if "bcd" not in a.arms:
         raise SystemExit("--arms must include bcd: every target is a ratio to it")
     missing = missing_parts(a.model, a.arms)

@@ -42,6 +42,8 @@ CPU = torch.device("cpu")
 ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
 BCD_ARMS = ("bcd", "bcd-recompute")
 WEIGHT_DECAY, GRAD_CLIP, BETAS = 1e-5, 1.0, (0.9, 0.999)  # preinfer's AdamW defaults, every arm
+# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.trainer.build_optimizer)
+ADAMW = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "fused": True}
 LORA_R, LORA_ALPHA = 16, 32
 
 
@@ -206,7 +208,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakRss) -> dict:
     lm, switch_every, opt, info = model, 0, None, {}
     if arm == "full":
         params = list(model.parameters())  # the tied head is the embedding: listed once
-        opt = torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        opt = torch.optim.AdamW(params, lr=lr, **ADAMW)
         info["blocks"] = "every parameter"
     elif arm.startswith("badam"):
         try:
@@ -216,7 +218,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakRss) -> dict:
                 f"the {arm} arm needs the PyPI package badam ({e}); {INSTALL}"
             ) from None
         named = list(model.named_parameters())
-        base = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        base = torch.optim.AdamW(model.parameters(), lr=lr, **ADAMW)
         if arm == "badam-blocks":
             prefixes = layer_prefixes(spec["blocks"])
             switch_every = per_visit  # the rotation's steps per block
@@ -242,7 +244,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakRss) -> dict:
         model = get_peft_model(model, conf)
         lm = model.get_base_model()  # the LlamaForCausalLM, its linears wrapped with LoRA
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        opt = torch.optim.AdamW(params, lr=lr, **ADAMW)
         info["blocks"] = f"LoRA r {LORA_R}, alpha {LORA_ALPHA}, all-linear"
     else:
         raise SystemExit(f"unknown arm {arm!r}")

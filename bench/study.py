@@ -3,6 +3,8 @@ training, each arm's lr swept, best against best.
 
     python -m bench.study                 # both layouts, M=3 and 6, 3 seeds, 3 lrs (many hours)
     python -m bench.study --quick         # make bench: LLaMA layout, M=3, one seed (minutes)
+    python -m bench.study --small         # the quick model to its plateau, both layouts, M=3,
+                                          # 3 seeds, 3 lrs
     python -m bench.study --tiny          # the slow test's end-to-end run (a minute)
     python -m bench.study --layouts llama --M 3 --variant head train.always_train=[head] \\
         --variant random train.order=random --set train.epochs=0.33
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import tempfile
@@ -66,6 +69,11 @@ QUICK = Scale(
     documents=24, seq_len=32, batch_size=8, vocab=512, val_fraction=0.1, steps_per_visit=12,
     full_cap=144, patience=2, min_steps=72, seeds=[0], lrs=[3e-3, 1e-2, 3e-2], val_batches=4,
 )  # fmt: skip
+# the quick model to its plateau: its 24 documents overfit, so val ppl turns up and patience
+# stops full well inside the cap; 3 seeds, the grid one step below the quick one's edge
+SMALL = dataclasses.replace(
+    QUICK, full_cap=1500, patience=3, min_steps=150, seeds=[0, 1, 2], lrs=[1e-3, 3e-3, 1e-2]
+)
 TINY = Scale(
     model=TINY_MODEL, documents=8, seq_len=16, batch_size=4, vocab=320, val_fraction=0.2,
     steps_per_visit=3, full_cap=12, patience=2, seeds=[0], lrs=[1e-3, 1e-2, 3e-2],
@@ -75,6 +83,7 @@ TINY = Scale(
 PRESETS = {
     "default": (DEFAULT, ["gpt2", "llama"], [3, 6]),
     "quick": (QUICK, ["llama"], [3]),
+    "small": (SMALL, ["llama", "gpt2"], [3]),
     "tiny": (TINY, ["gpt2"], [3]),
 }
 BASE_ARMS = {
@@ -209,6 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
     size.add_argument(
         "--quick", action="store_true", help="LLaMA layout, M=3, one seed (make bench)"
     )
+    size.add_argument(
+        "--small",
+        action="store_true",
+        help="the quick model to its plateau: both layouts, M=3, 3 seeds, 3 lrs (about an hour)",
+    )
     size.add_argument("--tiny", action="store_true", help="a tiny model, seconds per arm (tests)")
     ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=None)
     ap.add_argument("--M", type=int, nargs="+", default=None, help="block counts")
@@ -227,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
-    preset = "quick" if a.quick else "tiny" if a.tiny else "default"
+    preset = "quick" if a.quick else "small" if a.small else "tiny" if a.tiny else "default"
     base, layouts, Ms = PRESETS[preset]
     sc = copy.deepcopy(base)
     if a.seeds:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import load_average, results_path, spread, write_results
-from bench.peers_arms import BETAS, GRAD_CLIP, WEIGHT_DECAY, layer_prefixes, response_loss
+from bench.peers_arms import ADAMW, GRAD_CLIP, layer_prefixes, response_loss
 from bench.peers_data import INSTALL, ROOT
 from preinfer.adapters import forward_blocks
 from preinfer.checkpoint_init import init_checkpoint
@@ -86,8 +86,7 @@ class BadamArm:
             model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
         )
         named = list(self.model.named_parameters())
-        base = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=BETAS,
-                                 weight_decay=WEIGHT_DECAY)  # fmt: skip
+        base = torch.optim.AdamW(self.model.parameters(), lr=lr, **ADAMW)
         self.opt = BlockOptimizer(base_optimizer=base, named_parameters_list=named,
                                   block_prefix_list=layer_prefixes(blocks),
                                   switch_block_every=10**9, switch_mode="ascending",

@@ -59,9 +59,12 @@ PRECISIONS = {
     "bf16": Precision(2, 2, 4, 2, 0, 14, 6),
 }
 # Optimizer state bytes per active parameter, and update temporaries (x largest tensor on CPU's
-# per-tensor loop, x all active params on GPU's foreach path): adam adds the weight-decay copy.
+# per-tensor loop, x all active params on GPU's foreach path). Adam and AdamW run the fused
+# kernel (preinfer.trainer.build_optimizer): no temporaries on CPU (a 46M-parameter step grew
+# the peak by 0 MB, against 2x its largest tensor in the per-tensor loop); the GPU row is
+# foreach's, kept until measured there.
 OPT_STATE = {"sgd": 4, "adam": 8, "adamw": 8}
-OPT_TEMP = {"cpu": {"sgd": 1, "adam": 3, "adamw": 2}, "gpu": {"sgd": 1, "adam": 1, "adamw": 1}}
+OPT_TEMP = {"cpu": {"sgd": 1, "adam": 0, "adamw": 0}, "gpu": {"sgd": 1, "adam": 1, "adamw": 1}}
 # CPU-only constants, measured (not derived) by `python -m bench.plan_accuracy --calibrate` on
 # a minimal model and configs/llama-small.yaml, never on the configs the bench validates; how
 # each was set and when: docs/planner.md ("Calibration history"). Re-measure when storage/, the

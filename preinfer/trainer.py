@@ -314,7 +314,12 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
             params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"]
         )
     cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"])
+    # the fused kernel: one pass over each tensor, no temporaries; on CPU 4-5x faster than the
+    # default per-tensor loop (docs/economics.md), which holds 2-3 copies of the largest tensor
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return cls(
+        params, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"], fused=fused or None
+    )
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
