@@ -174,7 +174,7 @@ def run_arm(sc: Scale, work: Path, arm: Arm, *, layout: str, M: int, seed: int, 
     cfg = load_config(config, [*study_overrides(sc, work, layout, M, list(sets)), *arm.overrides,
                                f"train.lr={lr}", *_paths(work), f"run.dir={run}",
                                f"run.checkpoint={run / 'checkpoint'}",
-                               f"train.seed={seed}"])  # fmt: skip
+                               f"train.seed={seed}", f"model.init_seed={seed}"])  # fmt: skip
     store = TokenStore(cfg.data.out_dir)
     full = arm.mode == "full"
     if full:  # run_bcd's full mode trains rounds x M x a visit's steps: the cap is the horizon

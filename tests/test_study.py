@@ -166,6 +166,16 @@ def test_variants_are_checked():
 # end to end, tiny
 
 
+def test_an_arm_of_another_seed_trains_from_that_seeds_checkpoint(tmp_path):
+    """Seed 1's arm reads the init checkpoint made with model.init_seed=1 (the run's config
+    said 0 once, and the rotation refused the checkpoint as made with other settings)."""
+    from bench.study_arms import Arm, Stop, run_arm
+
+    rec = run_arm(study.TINY, tmp_path, Arm("bcd", []), layout="gpt2", M=3, seed=1, lr=1e-2,
+                  stop=Stop(max_visits=1))  # fmt: skip
+    assert rec["seed"] == 1 and rec["steps"] == study.TINY.steps_per_visit
+
+
 @pytest.mark.slow
 def test_study_tiny_end_to_end(tmp_path):
     out = tmp_path / "study.json"
