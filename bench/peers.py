@@ -275,6 +275,8 @@ def main(argv=None) -> dict:
         else:
             r = spawn_arm(spec, work / "logs" / f"{arm}-lr{lr:g}-s{seed}.log")
         runs.append(r)
+        # each run's record as soon as it ends: a bench stopped midway keeps what ran
+        write_results(work / "runs" / f"{arm}-lr{lr:g}-s{seed}.json", r)
         print(f"  {arm:>13} lr {lr:<7g} seed {seed}: val loss {r['curve'][0]['loss']:.4f} -> "
               f"{r['final_loss']:.4f} in {r['seconds']:.0f}s train, peak RSS "
               f"{r['peak_rss_mb']:.0f} MiB, load {r['load_start']}", flush=True)  # fmt: skip
