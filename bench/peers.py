@@ -236,9 +236,7 @@ def main(argv=None) -> dict:
     for name, v in (("seeds", a.seeds), ("steps_per_visit", a.steps), ("rounds", a.rounds)):
         if v is not None:
             setattr(sc, name, v)
-    if a.sweep:
-        sc.lrs = dict(FULL.lrs)
-    sc.lrs = dict(sc.lrs)  # the preset's own dict stays as it is
+    sc.lrs = dict(FULL.lrs if a.sweep else sc.lrs)  # a copy: the preset's own dict stays
     for item in a.lrs:
         arm, _, grid = item.partition("=")
         if arm not in sc.lrs or not grid:

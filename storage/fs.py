@@ -200,8 +200,9 @@ def _probe_s3(fs, bucket: str, where: str) -> None:
     except bx.ReadTimeoutError as e:
         raise StorageError(
             f"{where}: the object store at {endpoint} took the connection but did not answer "
-            f"within storage.read_timeout_s={_cfg.read_timeout_s} s, {_cfg.retries} times "
-            f"({e}); check that the server is healthy, or raise storage.read_timeout_s"
+            f"within storage.read_timeout_s={_cfg.read_timeout_s} s on any of its attempts "
+            f"(storage.retries={_cfg.retries}) ({e}); check that the server is healthy, or raise "
+            "storage.read_timeout_s"
         ) from None
     except bx.NoCredentialsError:
         raise StorageError(

@@ -172,6 +172,16 @@ def test_urls_stay_urls_and_options_are_checked(s3_run):
     assert fs.s3_options(StorageConfig(read_timeout_s=7.0))["config_kwargs"]["read_timeout"] == 7.0
 
 
+def _refused_within_20s(port: int, match: str, **timeouts) -> None:
+    """A store at 127.0.0.1:port, one attempt per request: StorageError `match`, in < 20 s."""
+    fs.configure(StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", key="testing",
+                               secret="testing", retries=1, **timeouts))  # fmt: skip
+    t0 = time.perf_counter()
+    with pytest.raises(fs.StorageError, match=match):
+        TokenStore.exists(f"s3://{BUCKET}/tokens")
+    assert time.perf_counter() - t0 < 20
+
+
 def test_bad_inputs_are_clear_errors(s3, tmp_path):
     """Unknown scheme, URL without a bucket, missing bucket, unreachable endpoint: one
     StorageError (a ConfigError: the CLI prints it as one line) naming what to fix."""
@@ -182,33 +192,11 @@ def test_bad_inputs_are_clear_errors(s3, tmp_path):
         TokenStore("s3://")
     with pytest.raises(fs.StorageError, match="bucket 'no-such-bucket' does not exist"):
         Checkpoint.open("s3://no-such-bucket/ckpt")
-    fs.configure(
-        StorageConfig(
-            endpoint_url=f"http://127.0.0.1:{_free_port()}",
-            key="testing",
-            secret="testing",
-            retries=1,
-            connect_timeout_s=1.0,
-        )
-    )
-    t0 = time.perf_counter()
-    with pytest.raises(fs.StorageError, match="cannot reach the object store at http://127"):
-        TokenStore.exists(f"s3://{BUCKET}/tokens")
-    assert time.perf_counter() - t0 < 20
+    _refused_within_20s(_free_port(), "cannot reach the object store at http://127",
+                        connect_timeout_s=1.0)  # fmt: skip
     with _silent_server() as port:  # takes connections, never answers
-        fs.configure(
-            StorageConfig(
-                endpoint_url=f"http://127.0.0.1:{port}",
-                key="testing",
-                secret="testing",
-                retries=1,
-                read_timeout_s=0.5,
-            )
-        )
-        t0 = time.perf_counter()
-        with pytest.raises(fs.StorageError, match="did not answer within storage.read_timeout_s"):
-            TokenStore.exists(f"s3://{BUCKET}/tokens")
-        assert time.perf_counter() - t0 < 20
+        _refused_within_20s(port, "did not answer within storage.read_timeout_s",
+                            read_timeout_s=0.5)  # fmt: skip
     # the CLI: one line, exit 2
     code = cli(["cache", "ls", "nosuch://x/y"])
     assert code == 2
