@@ -12,6 +12,10 @@
     python -m bench.peers --quick --sweep               # the quick steps, 3 lrs per arm swept
     python -m bench.peers --seeds 0 --lrs full=3e-5,1e-4,3e-4   # the full form's sweep only,
         # with full's grid moved up one step
+    python -m bench.peers --work runs/peers --jobs 2 --resume   # two arms at a time (each arm
+        # then shares the machine with another: the load is recorded per run); --resume reuses
+        # every run whose record <work>/runs/*.json the same settings made (a stopped bench
+        # goes on where it stopped)
 
 Without the real model or the `real` extra (badam, peft) the default run prints why and
 returns {"skipped": ...} (`make bench` runs every bench module's --quick form).
@@ -72,11 +76,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -224,6 +230,11 @@ def main(argv=None) -> dict:
                          "machine two threads wait on each other; 0 = torch's default)")  # fmt: skip
     ap.add_argument("--inline", action="store_true",
                     help="run the arms in this process (fast; peak RSS is then not each arm's own)")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="arms run this many at a time, each its own process (default 1)")  # fmt: skip
+    ap.add_argument("--resume", action="store_true",
+                    help="with --work: reuse each run whose record <work>/runs/*.json was made "
+                         "by the same settings; run the rest")  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep every run's checkpoint / weights")
     ap.add_argument("--work", default=None, help="keep data, tokens, init and runs here")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
@@ -247,6 +258,12 @@ def main(argv=None) -> dict:
             ap.error(f"--lrs {item!r}: the lrs must be numbers, e.g. {arm}=1e-4,3e-4")
     if "bcd" not in a.arms:
         raise SystemExit("--arms must include bcd: every target is a ratio to it")
+    if a.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {a.jobs}")
+    if a.jobs > 1 and a.inline:
+        ap.error("--jobs > 1 runs arms in processes of their own; drop --inline or --jobs")
+    if a.resume and not a.work:
+        ap.error("--resume reuses the records of an earlier run's --work dir: give --work")
     missing = missing_parts(a.model, a.arms)
     if missing:  # `make bench` on a machine without the real model or the `real` extra
         print(f"peers: skipped: {missing}")
@@ -263,22 +280,47 @@ def main(argv=None) -> dict:
     runs: list[dict] = []
 
     def one(arm: str, lr: float, seed: int) -> dict:
+        name = f"{arm}-lr{lr:g}-s{seed}"
         spec = {"arm": arm, "lr": lr, "seed": seed, "overrides": prep["common"], "M": sc.M,
                 "init": prep["init"], "model_dir": prep["model_dir"],
                 "initial_loss": prep["initial_loss"], "blocks": prep["blocks"],
                 "eval_batches": sc.eval_batches, "threads": a.threads, "keep": a.keep,
-                "inline": a.inline, "run_dir": str(work / "runs" / f"{arm}-lr{lr:g}-s{seed}")}  # fmt: skip
+                "inline": a.inline, "run_dir": str(work / "runs" / name)}  # fmt: skip
+        # what makes a run's result: a record made by another spec is not reused
+        made_by = {k: v for k, v in spec.items() if k not in ("keep", "run_dir")}
+        record = work / "runs" / f"{name}.json"
+        if a.resume and record.is_file():
+            r = json.loads(record.read_text())
+            if r.get("made_by") == json.loads(json.dumps(made_by)):
+                runs.append(r)
+                print(f"  {arm:>13} lr {lr:<7g} seed {seed}: reused {record.name} (--resume)",
+                      flush=True)  # fmt: skip
+                return r
+            print(f"  {arm:>13} lr {lr:<7g} seed {seed}: {record.name} was made by other "
+                  "settings: rerun", flush=True)  # fmt: skip
         if a.inline:
             r = run_arm(spec, lambda ov: eval_run(ov, sc.eval_batches))
         else:
-            r = spawn_arm(spec, work / "logs" / f"{arm}-lr{lr:g}-s{seed}.log")
+            r = spawn_arm(spec, work / "logs" / f"{name}.log")
+        r["made_by"] = made_by
         runs.append(r)
         # each run's record as soon as it ends: a bench stopped midway keeps what ran
-        write_results(work / "runs" / f"{arm}-lr{lr:g}-s{seed}.json", r)
+        write_results(record, r)
         print(f"  {arm:>13} lr {lr:<7g} seed {seed}: val loss {r['curve'][0]['loss']:.4f} -> "
               f"{r['final_loss']:.4f} in {r['seconds']:.0f}s train, peak RSS "
               f"{r['peak_rss_mb']:.0f} MiB, load {r['load_start']}", flush=True)  # fmt: skip
         return r
+
+    def batch(jobs: list[tuple[str, float, int]]) -> None:
+        """Runs, a.jobs at a time (each arm's own process; the parent answers their
+        evaluations in its threads). Every run's record lands in `runs`."""
+        if a.jobs == 1:
+            for j in jobs:
+                one(*j)
+            return
+        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+            for f in [pool.submit(one, *j) for j in jobs]:
+                f.result()
 
     def order(i: int) -> list[str]:  # arms interleaved, the order rotated per seed
         arms = [x for x in ARMS if x in a.arms]
@@ -287,20 +329,20 @@ def main(argv=None) -> dict:
     # seed 0: every lr of every swept arm, lrs interleaved across arms; then bcd-recompute at
     # bcd's best lr (its role is the same visits without the cache, not its own tuning)
     sweep = [x for x in order(0) if x != "bcd-recompute"]
-    for i in range(max(len(sc.lrs[x]) for x in sweep)):
-        for arm in sweep:
-            if i < len(sc.lrs[arm]):
-                one(arm, sc.lrs[arm][i], sc.seeds[0])
+    batch([(arm, sc.lrs[arm][i], sc.seeds[0]) for i in range(max(len(sc.lrs[x]) for x in sweep))
+           for arm in sweep if i < len(sc.lrs[arm])])  # fmt: skip
     best = {}
     for arm in sweep:
         mine = [r for r in runs if r["arm"] == arm]
-        best[arm] = min(mine, key=lambda r: r["final_loss"])["lr"]
+        best[arm] = min(mine, key=lambda r: (r["final_loss"], r["lr"]))["lr"]
+    later = []
     if "bcd-recompute" in a.arms:
         best["bcd-recompute"] = best["bcd"]
-        one("bcd-recompute", best["bcd"], sc.seeds[0])
-    for i, seed in enumerate(sc.seeds[1:], start=1):
-        for arm in order(i):
-            one(arm, best[arm], seed)
+        later.append(("bcd-recompute", best["bcd"], sc.seeds[0]))
+    later += [(arm, best[arm], seed) for i, seed in enumerate(sc.seeds[1:], start=1)
+              for arm in order(i)]  # fmt: skip
+    batch(later)
+    runs.sort(key=lambda r: (sc.seeds.index(r["seed"]), ARMS.index(r["arm"]), r["lr"]))
     summary = summarise(runs, best, sc.seeds)
     res = {"model": a.model, "quick": a.quick, "scale": asdict(sc), "arms_run": a.arms,
            "prep": prep, "runs": runs, "best_lr": best, **summary, "inline": a.inline,

@@ -15,7 +15,7 @@ pytest.importorskip("badam", reason="the badam arms need the `real` extra")
 pytest.importorskip("peft", reason="the lora arm needs the `real` extra")
 
 
-def test_every_arm_on_a_tiny_model_in_one_process(tmp_path):
+def test_every_arm_on_a_tiny_model_in_one_process(tmp_path, capsys):
     out = tmp_path / "res.json"
     threads = torch.get_num_threads()
     try:  # one torch thread (the bench's default; tiny ops run slower on two), restored after
@@ -46,3 +46,60 @@ def test_every_arm_on_a_tiny_model_in_one_process(tmp_path):
     assert set(res["targets"]) >= {"bcd_loss_at_full_time", "bcd_peak_over_badam-blocks",
                                    "bcd_time_to_badam-layers_loss"}  # fmt: skip
     assert "bcd peak RSS / badam-blocks'" in res["table"]
+
+    # --resume: every run's record is reused (nothing reruns), the figures are the same; a
+    # record made by other settings (another eval_batches) is not
+    capsys.readouterr()
+    again = tmp_path / "again.json"
+    try:
+        peers.main(["--quick", "--model", "tiny", "--inline", "--work", str(tmp_path / "w"),
+                    "--out", str(again), "--resume"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    said = capsys.readouterr().out
+    assert said.count("(--resume)") == len(res["runs"]), said
+    res2 = json.loads(again.read_text())
+    assert [(r["arm"], r["final_loss"]) for r in res2["runs"]] == [
+        (r["arm"], r["final_loss"]) for r in res["runs"]
+    ]
+    rec = tmp_path / "w" / "runs" / "lora-lr0.003-s0.json"
+    r = json.loads(rec.read_text())
+    r["made_by"]["eval_batches"] += 1
+    rec.write_text(json.dumps(r))
+    try:
+        peers.main(["--quick", "--model", "tiny", "--inline", "--work", str(tmp_path / "w"),
+                    "--out", str(again), "--resume", "--arms", "bcd", "lora"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    said = capsys.readouterr().out
+    assert "lora-lr0.003-s0.json was made by other settings: rerun" in said
+    assert said.count("(--resume)") == 1  # bcd's
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--jobs", "0"], "--jobs must be >= 1"),
+        (["--jobs", "2", "--inline"], "drop --inline or --jobs"),
+        (["--resume"], "give --work"),
+    ],
+)
+def test_bad_run_options_are_refused(args, says, capsys):
+    with pytest.raises(SystemExit):
+        peers.main(["--quick", "--model", "tiny", *args])
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_arms_two_at_a_time_in_processes_of_their_own(tmp_path):
+    """--jobs 2: arms run two at a time, each its own process (its own peak RSS), the parent
+    answering both's evaluations; every run and its record land, in one table."""
+    out = tmp_path / "res.json"
+    peers.main(["--quick", "--model", "tiny", "--jobs", "2", "--arms", "bcd", "full", "lora",
+                "--work", str(tmp_path / "w"), "--out", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert [r["arm"] for r in res["runs"]] == ["bcd", "full", "lora"]
+    for r in res["runs"]:
+        assert r["own_process"] and r["final_loss"] < r["curve"][0]["loss"], r["arm"]
+        assert (tmp_path / "w" / "runs" / f"{r['arm']}-lr{r['lr']:g}-s0.json").is_file()
+    assert "bcd_loss_at_full_time" in res["targets"]
