@@ -29,8 +29,10 @@ recorded). One token store (configs/finetune.yaml, data.format=prompt_response: 
 counts response tokens only) and one init checkpoint serve every arm. Arms:
 
   bcd            preinfer's rotation with the cache: pipelines.bcd.run_bcd (M blocks ascending,
-                 train.max_steps steps per visit, 1 pass over each round's rows, AdamW, warmup +
-                 cosine per visit, AdamW state kept across rounds: the product's defaults)
+                 train.max_steps steps per visit, 1 pass over each visit's rows, AdamW, one
+                 warmup + cosine over the rotation, AdamW state kept across rounds: the
+                 product's defaults; train.cache_visits M: each visit its own rows, as every
+                 arm reads them)
   bcd-recompute  the same rotation, the frozen prefix rerun every step (run_bcd mode
                  bcd-recompute), at bcd's lr: the cache's own saving, same visits
   full           plain transformers: AutoModelForCausalLM from the model dir, AdamW on every

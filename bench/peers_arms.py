@@ -152,7 +152,9 @@ def bcd_arm(spec: dict, clock: Clock, mem: PeakRss, evaluate) -> dict:
         "visit_val_losses": visit_evals,
         "trainable_params": [v.get("trainable_params") for v in visits],
         "schedule": f"AdamW, warmup {cfg.train.warmup_steps} + cosine to "
-                    f"{cfg.train.min_lr_ratio:g}x per visit, state kept across rounds",
+                    f"{cfg.train.min_lr_ratio:g}x "
+                    + ("over the rotation" if cfg.train.schedule == "run" else "per visit")
+                    + ", state kept across rounds",
         "blocks": [list(b) for b in Checkpoint.open(spec["init"]).partition.blocks],
     }  # fmt: skip
 

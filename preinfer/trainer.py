@@ -43,8 +43,8 @@ class TrainConfig:
     """Adam betas; null = [0.9, 0.999]."""
     warmup_steps: int = 10
     """Linear warmup steps at the start of each block visit (train.schedule=run: once, at the start of the rotation)."""
-    schedule: Literal["visit", "run"] = "visit"
-    """LR warmup + cosine scope: visit = within each block visit; run = one over the rotation (rounds x M visits x the visit's steps); full: its own steps either way."""
+    schedule: Literal["visit", "run"] = "run"
+    """LR warmup + cosine scope: run = one over the rotation (rounds x M visits x the visit's steps; 1.52x full's steps to its plateau ppl against 2.07x per visit, docs/quality.md); visit = within each block visit; full: its own steps either way."""
     min_lr_ratio: float = 0.1
     """Cosine schedule floor as a fraction of the peak lr."""
     max_steps: int = 100

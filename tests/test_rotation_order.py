@@ -96,7 +96,7 @@ def test_descending_trains_last_block_first_each_from_its_rounds_cache(tiny_run)
         assert seen[1] == fps[(r, 1)]
         assert seen[0] == set()
     assert cache_dirs(cfg) == set() and state["caches_in_use"] == []
-    assert state["order"] == "descending" and state["schedule"] == "visit"
+    assert state["order"] == "descending" and state["schedule"] == "run"  # the default
 
 
 def test_descending_from_the_cache_equals_descending_with_the_prefix_recomputed(tiny_run, tmp_path):
@@ -357,8 +357,8 @@ def test_run_schedule_is_one_cosine_over_the_rotation(tiny_run, tiny_base, tmp_p
 
 
 def test_visit_schedule_restarts_in_every_visit(tiny_run):
-    cfg = tiny_run(*LR, f"train.max_steps={STEPS}", "train.mode=bcd-recompute", *FAST)
-    assert cfg.train.schedule == "visit"  # the default
+    cfg = tiny_run(*LR, f"train.max_steps={STEPS}", "train.mode=bcd-recompute", *FAST,
+                   "train.schedule=visit")  # fmt: skip
     run_bcd(cfg, log=quiet)
     got = step_lrs(cfg)
     assert len(got) == 2 * 3 * STEPS
