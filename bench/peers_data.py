@@ -51,12 +51,12 @@ class Scale:
     steps_per_visit: int = 30
     """train.max_steps: steps of a bcd visit; every arm takes rounds x M x this many steps."""
     rounds: int = 1
-    cache_visits: float = 3.0
-    """train.cache_visits of every arm: the visits of a round read M different windows of rows
-    (M x steps x batch rows a round, one pass), as a fine-tune reads its data; 1 = every visit
-    the same rows."""
+    cache_visits: float | None = None
+    """train.cache_visits of every arm; None = M: the visits of a round read M different
+    windows of rows (M x steps x batch rows a round, one pass), as a fine-tune reads its data;
+    1 = every visit the same rows."""
     warmup_steps: int = 5
-    """Linear warmup steps (bcd: of each visit; the others: of the run)."""
+    """Linear warmup steps at the start of the run (bcd: of its rotation, train.schedule=run)."""
     eval_batches: int = 4
     """Val batches of every evaluation: the first eval_batches x batch_size val rows."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -162,7 +162,8 @@ def common_overrides(sc: Scale, work: Path, model_dir: Path, jsonl: Path) -> lis
         f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
         f"data.out_dir={work / 'tokens'}", f"partition.num_blocks={sc.M}", "cache.dtype=bf16",
         f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
-        f"train.rounds={sc.rounds}", f"train.cache_visits={sc.cache_visits}", "train.epochs=1", f"train.warmup_steps={sc.warmup_steps}",
+        f"train.rounds={sc.rounds}", f"train.cache_visits={sc.cache_visits or sc.M}",
+        "train.epochs=1", f"train.warmup_steps={sc.warmup_steps}",
         "train.eval_every=0", f"train.eval_batches={sc.eval_batches}", "train.workers=0",
         "train.checkpoint_every=0", "run.device=cpu", "run.precision=fp32", "run.tensorboard=false",
         "preinfer.executor=local",

@@ -42,7 +42,7 @@ class TrainConfig:
     betas: list[float] | None = None
     """Adam betas; null = [0.9, 0.999]."""
     warmup_steps: int = 10
-    """Linear warmup steps at the start of each block visit (train.schedule=run: once, at the start of the rotation)."""
+    """Linear warmup steps, once at the start of the rotation (train.schedule=visit: at the start of each block visit)."""
     schedule: Literal["visit", "run"] = "run"
     """LR warmup + cosine scope: run = one over the rotation (rounds x M visits x the visit's steps; 1.52x full's steps to its plateau ppl against 2.07x per visit, docs/quality.md); visit = within each block visit; full: its own steps either way."""
     min_lr_ratio: float = 0.1
