@@ -81,32 +81,44 @@ def _event(cfg: Config, state: dict, **rec) -> None:
 
 
 def ensure_cache(
-    cfg: Config, state: dict, block: int, round_: int, log=print, src: Sources | None = None
+    cfg: Config,
+    state: dict,
+    block: int,
+    round_: int,
+    log=print,
+    src: Sources | None = None,
+    position: int | None = None,
 ) -> tuple[str, dict[str, str]]:
     """Make the boundary-`block` caches current: ('reused' | 'repaired' | 'refreshed' | 'built',
-    their fingerprints by split). src: the checkpoint and token store as this step sees them."""
+    their fingerprints by split). src: the checkpoint and token store as this step sees them;
+    position: the visit of the round they are made for (None: block `block`'s own; it picks
+    the rows they hold, cache_identity.boundary_visits)."""
     t0 = time.perf_counter()
     src = src or Sources.open(cfg)
+    at = {"position": position, "log": log, "src": src}
     # a reused cache is re-checksummed (xxh3: cheap next to training on it): a shard damaged
     # on disk since it was written is rewritten here instead of failing the trainer
-    plans = plan_caches(cfg, block, round_, create=False, verify=True, src=src)
+    plans = plan_caches(cfg, block, round_, position=position, create=False, verify=True, src=src)
     res: dict = {}
     if all(p.complete for p in plans):
         action, fps = "reused", {p.split: p.fingerprint for p in plans}
     elif any(is_complete(cfg.cache.root, p.fingerprint) for p in plans if not p.complete):
         log(f"  boundary {block}: cache shards failed their checksum; rewriting them")
-        res = build_cache(cfg, block, round_, verify=True, log=log, src=src)
+        res = build_cache(cfg, block, round_, verify=True, **at)
         action, fps = "repaired", res["fingerprints"]
     else:
+        below = position
+        if below is None:
+            below = round_blocks(cfg.train, src.ckpt.num_blocks, round_).index(block)
         prev_ok = (
             block >= 2
             and refresh_allowed(cfg)
             and all(
                 is_complete(cfg.cache.root, p.fingerprint)
-                for p in plan_caches(cfg, block - 1, round_, create=False, src=src)
+                for p in plan_caches(cfg, block - 1, round_, position=below, create=False, src=src)
             )
         )
-        res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, log=log, src=src)
+        res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, **at)
         action, fps = res["action"], res["fingerprints"]
     state["caches_in_use"] = sorted(set(fps.values()))
     sizes = {s: dir_bytes(fs.path(cfg.cache.root) / fp) for s, fp in fps.items()}
@@ -313,8 +325,9 @@ def _random_boundaries(
     later = order[order.index(block) + 1 :]
     needed = [j for i, j in enumerate(later) if 0 < j < block and all(b >= j for b in later[:i])]
     made = {}
+    q = order.index(block)  # every boundary made here serves this visit
     for j in range(min([*needed, block]), block + 1):
-        made[j] = ensure_cache(cfg, state, j, round_, log=log)
+        made[j] = ensure_cache(cfg, state, j, round_, log=log, position=q)
         state["caches_in_use"] = _fingerprints(made)
         save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
     kept = {j: made[j] for j in [*needed, block]}
@@ -357,8 +370,9 @@ def _ensure_boundaries(
     """Descending order: make boundaries 1..upto of the round current, in ascending order (so
     each refreshes from the one before), and keep them all: {boundary: (action, fingerprints)}."""
     out: dict[int, tuple[str, dict[str, str]]] = {}
-    for j in range(1, upto + 1):
-        out[j] = ensure_cache(cfg, state, j, round_, log=log)
+    q = round_blocks(cfg.train, Checkpoint.open(cfg.run.checkpoint).num_blocks, round_).index(upto)
+    for j in range(1, upto + 1):  # made for the visit at q (they serve it and the ones before)
+        out[j] = ensure_cache(cfg, state, j, round_, log=log, position=q)
         state["caches_in_use"] = _fingerprints(out)
         save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
     # only now: a boundary beyond j that a killed setup completed must survive until reused

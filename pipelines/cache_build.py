@@ -41,6 +41,7 @@ from preinfer.cache_identity import CachePlan, Sources, compute_choice, plan_cac
 from preinfer.config import Config
 from preinfer.guards import check_disk_for_cache, check_vocab
 from preinfer.provenance import check_settings
+from preinfer.trainer import round_blocks
 from storage.cache import CacheWriter
 from storage.config import LOSSY_DTYPES
 from storage.layout import is_complete
@@ -89,6 +90,7 @@ def _run_workers(
     sources: dict[str, str],
     seq_len: int,
     log,
+    source_rows: dict[str, np.ndarray] | None = None,
 ) -> dict:
     """Compute every missing shard (locally or over the actor pool); counts and timing."""
     items = [{"fingerprint": p.fingerprint, "shard": s} for p in plans for s in p.missing]
@@ -99,7 +101,8 @@ def _run_workers(
     where = executor(cfg)
     log(f"  compute dtype {choice.compute} ({choice.reason}); executor {where}")
     worker_kw = {"block": block, "first": first, "sources": sources,
-                 "compute": choice.compute, "round_to": choice.round_to}  # fmt: skip
+                 "compute": choice.compute, "round_to": choice.round_to,
+                 "source_rows": source_rows or {}}  # fmt: skip
     t0, wall0 = time.perf_counter(), time.time()
     if where == "local":
         records = _local_records(cfg, items, {"cfg": cfg, **worker_kw})
@@ -179,20 +182,23 @@ def build_cache(
     block: int,
     round_: int = 0,
     *,
+    position: int | None = None,
     verify: bool = False,
     log=print,
     src: Sources | None = None,
 ) -> dict:
     """Hidden states entering `block` for train and val, from tokens through blocks 0..block-1.
 
-    verify: also check a complete cache's shards and rewrite any that fail (repair). src: the
-    checkpoint and token store, when the caller has them open.
+    position: the visit (its place in the round) the cache is made for (None: block `block`'s
+    own; cache_identity.boundary_visits). verify: also check a complete cache's shards and
+    rewrite any that fail (repair). src: the checkpoint and token store, when the caller has
+    them open.
     """
     t0 = time.perf_counter()
     src = src or Sources.open(cfg)
     _check_inputs(cfg, src, "cache build")
-    _guard_disk(cfg, block, round_, src)
-    plans = plan_caches(cfg, block, round_, verify=verify, src=src)
+    _guard_disk(cfg, block, round_, position, src)
+    plans = plan_caches(cfg, block, round_, position=position, verify=verify, src=src)
     todo = sum(len(p.missing) for p in plans)
     if all(p.complete for p in plans):
         log(f"cache build: boundary {block} is current ({_fps(plans)}); nothing to do")
@@ -205,9 +211,17 @@ def build_cache(
 
 
 def refresh_cache(
-    cfg: Config, block: int, round_: int = 0, *, log=print, src: Sources | None = None
+    cfg: Config,
+    block: int,
+    round_: int = 0,
+    *,
+    position: int | None = None,
+    log=print,
+    src: Sources | None = None,
 ) -> dict:
-    """Boundary `block` from the complete boundary block-1 cache, running block-1 alone."""
+    """Boundary `block` from the complete boundary block-1 cache, running block-1 alone; both
+    as made for the visit at `position` (None: block `block`'s own). The source holds every
+    row the target does (a boundary serves a subset of the visits the one below it serves)."""
     t0 = time.perf_counter()
     if block < 2:
         raise ConfigError(
@@ -223,7 +237,9 @@ def refresh_cache(
         )
     src = src or Sources.open(cfg)
     _check_inputs(cfg, src, "cache refresh")
-    prev = plan_caches(cfg, block - 1, round_, create=False, src=src)
+    if position is None:  # the source as this boundary's own visit finds it
+        position = round_blocks(cfg.train, src.ckpt.num_blocks, round_).index(block)
+    prev = plan_caches(cfg, block - 1, round_, position=position, create=False, src=src)
     stale = [p for p in prev if not is_complete(cfg.cache.root, p.fingerprint)]
     if stale:
         raise ConfigError(
@@ -231,18 +247,37 @@ def refresh_cache(
             f"(missing {', '.join(f'{p.split} {p.fingerprint}' for p in stale)}); "
             f"run `preinfer cache build --block {block - 1}` or `cache build --block {block}`"
         )
-    _guard_disk(cfg, block, round_, src)
-    plans = plan_caches(cfg, block, round_, src=src)
+    _guard_disk(cfg, block, round_, position, src)
+    plans = plan_caches(cfg, block, round_, position=position, src=src)
     if all(p.complete for p in plans):
         log(f"cache refresh: boundary {block} is current ({_fps(plans)}); nothing to do")
         return {"action": "reused", **_result(plans)}
     todo = sum(len(p.missing) for p in plans)
     sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)}
-    stats = _run_workers(cfg, plans, block, block - 1, sources, src.store.seq_len, log)
+    rows = {p.fingerprint: m for p, q in zip(plans, prev, strict=True)
+            if (m := source_rows(p, q)) is not None}  # fmt: skip
+    stats = _run_workers(cfg, plans, block, block - 1, sources, src.store.seq_len, log, rows)
     stats["finalize_s"] = _finish(cfg, plans)
     stats["plan_s"] = time.perf_counter() - t0 - stats["seconds"] - stats["finalize_s"]
     _log_done(log, "refresh", block, plans, stats, todo, src.store.seq_len)
     return {"action": "refreshed", **_result(plans), **stats}
+
+
+def source_rows(target: CachePlan, source: CachePlan) -> np.ndarray | None:
+    """(N_target,) int64: the row of `source` that holds each row's sample of `target`, or None
+    where they hold the same rows in the same order (row i of one is row i of the other)."""
+    a, b = target.indices, source.indices
+    if len(a) == len(b) and np.array_equal(a, b):
+        return None
+    sorter = np.argsort(b, kind="stable")
+    at = sorter[np.minimum(np.searchsorted(b, a, sorter=sorter), len(b) - 1)]
+    if len(b) == 0 or not np.array_equal(b[at], a):
+        raise ConfigError(
+            f"the boundary cache {source.fingerprint[:12]} lacks samples that "
+            f"{target.fingerprint[:12]} holds, so it cannot be refreshed from it; build it "
+            "from tokens (`preinfer cache build`)"
+        )
+    return at.astype(np.int64)
 
 
 def _check_inputs(cfg: Config, src: Sources, stage: str) -> None:
@@ -253,12 +288,12 @@ def _check_inputs(cfg: Config, src: Sources, stage: str) -> None:
     check_settings(cfg, stage, tokens=src.store.manifest, checkpoint=src.ckpt.index)
 
 
-def _guard_disk(cfg: Config, block: int, round_: int, src: Sources) -> None:
+def _guard_disk(cfg: Config, block: int, round_: int, position: int | None, src: Sources) -> None:
     """Refuse before anything is written when what is left of the boundary's caches cannot
     fit the free disk. Committed shards are credited: a build resumed after a full disk needs
     room for the rest only (its manifest alone, once every shard is in)."""
 
-    plans = plan_caches(cfg, block, round_, create=False, src=src)
+    plans = plan_caches(cfg, block, round_, position=position, create=False, src=src)
     if not all(p.complete for p in plans):
         check_disk_for_cache(cfg, block, plans=plans)
 

@@ -52,6 +52,7 @@ class PrefixWorker:
         sources: dict[str, str],
         compute: str,
         round_to: str | None,
+        source_rows: dict | None = None,
         pin: bool = True,
         on_phase: Callable[[str], None] | None = None,
     ):
@@ -61,6 +62,9 @@ class PrefixWorker:
             # the fp32 weights loaded and cast below go back to the OS when freed
             hostmem.pin_malloc(int(self.cfg.preinfer.malloc_mmap_threshold_mb * 2**20))
         self.block, self.first, self.sources = block, first, sources
+        # refresh: fingerprint -> (N,) the source row of each row, where they differ (the
+        # target holds fewer windows than its source); absent: row i is the source's row i
+        self.source_rows = {k: np.asarray(v) for k, v in (source_rows or {}).items()}
         self.device = resolve_device(self.cfg.run.device)
         if self.device.type == "cpu":
             pin_threads()
@@ -191,8 +195,17 @@ class PrefixWorker:
         its stored values only (no labels), a view of them when they are stored in that dtype
         (bf16 bits, fp16, fp32: no decode to fp32 and back)."""
         src = self._source(fp)
-        stored, scale = src.read_stored(start, stop)
-        return decode(stored, scale, src.dtype, self.dtype)
+        m = self.source_rows.get(fp)
+        if m is None:
+            stored, scale = src.read_stored(start, stop)
+            return decode(stored, scale, src.dtype, self.dtype)
+        rows = m[start:stop]
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1  # runs of consecutive source rows
+        parts = []
+        for run in np.split(rows, cuts):
+            stored, scale = src.read_stored(int(run[0]), int(run[-1]) + 1)
+            parts.append(decode(stored, scale, src.dtype, self.dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _source(self, fp: str):
         src_fp = self.sources[fp]

@@ -1,10 +1,12 @@
 """Cache identity: which rows a boundary cache holds, its fingerprint and its meta.
 
-One (round, boundary) of a run caches exactly the rows its round's visits read (`visit_budget`):
-a per-(seed, round) sample of the train split sized by train.epochs and train.cache_visits (each
-visit reads its own window of it, `visit_window`), in a seeded row order that
-every boundary of the round shares (so a refresh maps row i of boundary K-1 to row i of K), and
-the val rows the in-visit evaluations read. `plan_caches` turns that into fingerprints and the
+A round's visits read a per-(seed, round) sample of the train split sized by train.epochs and
+train.cache_visits (`visit_budget`), in a seeded row order every boundary of the round shares;
+each visit reads its own window of it (`visit_window`). A boundary cache holds the windows of
+the visits it serves (`boundary_visits`, `boundary_rows`): its own visit's and those of the
+boundaries refreshed from it before a block below it trains, so at cache_visits M an ascending
+round's boundary K holds M-K windows, not M (a refresh maps each row of K to the same sample's
+row of K-1). It also holds the val rows the in-visit evaluations read. `plan_caches` turns that into fingerprints and the
 shards still missing; the trainer, the rotation and the Ray stage all ask it, never each other.
 Also the `preinfer:` config section (the library reads sample_fraction, compute_dtype and
 micro_batch; the Ray stage the rest).
@@ -22,6 +24,7 @@ from core.config import ConfigError
 from core.fingerprint import cache_fingerprint
 from preinfer.checkpoint import Checkpoint
 from preinfer.device import ComputeChoice, compute_dtype, compute_dtype_key
+from preinfer.trainer import round_blocks
 from storage import fs
 from storage.cache import CacheWriter
 from storage.layout import is_complete
@@ -171,6 +174,53 @@ def visit_window(budget: VisitBudget, position: int) -> tuple[int, int]:
     return position * budget.visit_rows % budget.rows, budget.visit_rows
 
 
+def boundary_visits(cfg, M: int, round_: int, block: int, position: int | None = None) -> list[int]:
+    """Positions (in round `round_`'s block order, train.order) of the visits a boundary-`block`
+    cache serves when it is made for the visit at `position` (None: block `block`'s own visit):
+    the longest run of positions around it whose blocks are all >= `block`. Within that run
+    no block below `block` trains, so the cache stays current; every visit of the run reads it
+    or a boundary refreshed from it. ascending: K..M-1; descending: 0..M-1-K (the round makes
+    all its boundaries first); random: the run around the visit. The run does not depend on
+    which of its positions asks, so a resumed round plans the caches it made before."""
+    order = round_blocks(cfg.train, M, round_)
+    q = order.index(block) if position is None else position
+    if not (0 <= q < M and order[q] >= block):
+        raise ConfigError(
+            f"the visit at position {position} of round {round_} (blocks {order}) does not read "
+            f"a boundary-{block} cache: it trains a block below {block}"
+        )
+    lo, hi = q, q
+    while lo > 0 and order[lo - 1] >= block:
+        lo -= 1
+    while hi + 1 < M and order[hi + 1] >= block:
+        hi += 1
+    return list(range(lo, hi + 1))
+
+
+def boundary_rows(budget: VisitBudget, visits: list[int]) -> np.ndarray:
+    """Ascending positions, among the round's budget.rows train rows (cache row order), that a
+    boundary serving the visits at `visits` holds: the union of their windows. A window keeps
+    its cyclic order in it, so a visit reads the same rows in the same order from any cache
+    that holds its window (`cache_window`)."""
+    R = budget.rows
+    got = [(visit_window(budget, p)[0] + np.arange(budget.visit_rows)) % R for p in visits]
+    return np.unique(np.concatenate(got)) if got else np.arange(0)
+
+
+def cache_window(budget: VisitBudget, held: np.ndarray, position: int) -> tuple[int, int]:
+    """(start, rows) of the visit at `position`'s window among a boundary cache's rows, when
+    the cache holds the round's rows `held` (boundary_rows): rows start, start+1, ... wrapping
+    at len(held)."""
+    start, n = visit_window(budget, position)
+    i = int(np.searchsorted(held, start))
+    if i >= len(held) or held[i] != start or n > len(held):
+        raise ConfigError(
+            f"the boundary cache holds {len(held)} of the round's {budget.rows} train rows, not "
+            f"the window [{start}, +{n}) of the visit at position {position}"
+        )
+    return i, n
+
+
 def store_budget(cfg, store: TokenStore) -> VisitBudget:
     return visit_budget(cfg, store.num_samples("train"), store.num_samples("val"))
 
@@ -219,9 +269,17 @@ def visit_train_rows(cfg, budget: VisitBudget, round_: int, position: int) -> np
     return rows if n >= len(rows) else rows[(start + np.arange(n)) % len(rows)]
 
 
-def sampling_spec(cfg, budget: VisitBudget, split: str, round_: int) -> dict:
+def sampling_spec(
+    cfg, budget: VisitBudget, split: str, round_: int, visits: list[int] | None = None
+) -> dict:
     """The fingerprint's record of which rows: as before train.epochs existed where the rows
-    are the ones that rule gave (those caches keep their fingerprints), plus `rows` otherwise."""
+    are the ones that rule gave (those caches keep their fingerprints), plus `rows` otherwise,
+    plus `windows` (the visits served) where a train cache holds only some of the round's rows."""
+    if split == "train" and visits is not None:
+        held = len(boundary_rows(budget, visits))
+        if held < budget.rows:
+            return {**sampling_spec(cfg, budget, split, round_),
+                    "windows": {"visits": visits, "rows": held}}  # fmt: skip
     if split == "val":
         rows = {"rows": budget.val_rows} if budget.val_rows < budget.n_val else {}
         return {"fraction": 1.0, **rows}
@@ -270,7 +328,9 @@ class Sources:
         return cls(Checkpoint.open(cfg.run.checkpoint), store, store_budget(cfg, store))
 
 
-def fingerprint_for(cfg, src: Sources, block: int, split: str, round_: int) -> str:
+def fingerprint_for(
+    cfg, src: Sources, block: int, split: str, round_: int, visits: list[int] | None = None
+) -> str:
     return cache_fingerprint(
         tokens=src.store.fingerprint,
         split=split,
@@ -279,12 +339,14 @@ def fingerprint_for(cfg, src: Sources, block: int, split: str, round_: int) -> s
         model=src.ckpt.model_config_dict,
         dtype=cfg.cache.dtype,
         codec=codec_spec(cfg),
-        sampling=sampling_spec(cfg, src.budget, split, round_),
+        sampling=sampling_spec(cfg, src.budget, split, round_, visits),
         compute=compute_dtype_key(compute_choice(cfg), cfg.cache.dtype),
     )
 
 
-def cache_meta(cfg, src: Sources, block: int, split: str, round_: int) -> dict:
+def cache_meta(
+    cfg, src: Sources, block: int, split: str, round_: int, visits: list[int] | None = None
+) -> dict:
     return {
         "boundary": block,
         "split": split,
@@ -292,7 +354,7 @@ def cache_meta(cfg, src: Sources, block: int, split: str, round_: int) -> dict:
         "tokens": src.store.fingerprint,
         "prefix": src.ckpt.prefix_hash(block),
         "model": src.ckpt.model_config_dict,
-        "sampling": sampling_spec(cfg, src.budget, split, round_),
+        "sampling": sampling_spec(cfg, src.budget, split, round_, visits),
         "budget": src.budget.why,
         "compute_dtype": compute_choice(cfg).compute,
         "config": cfg.to_dict(),
@@ -305,11 +367,13 @@ def plan_caches(
     block: int,
     round_: int = 0,
     *,
+    position: int | None = None,
     create: bool = True,
     verify: bool = False,
     src: Sources | None = None,
 ) -> list[CachePlan]:
-    """Fingerprints and missing shards of the train and val caches at boundary `block`.
+    """Fingerprints and missing shards of the train and val caches at boundary `block`, made
+    for the visit at `position` of the round (None: block `block`'s own; boundary_visits).
 
     create: open (or create) the caches' writers, so `missing` lists the shards to compute;
     verify: recompute the checksums of a complete cache; shards that fail are planned again
@@ -322,11 +386,14 @@ def plan_caches(
             f"--block {block}: a cache exists only for boundaries 1..{src.ckpt.num_blocks - 1} "
             f"(block 0 trains from tokens; the checkpoint has {src.ckpt.num_blocks} blocks)"
         )
+    visits = boundary_visits(cfg, src.ckpt.num_blocks, round_, block, position)
     plans = []
     for split in SPLITS:
-        fp = fingerprint_for(cfg, src, block, split, round_)
+        fp = fingerprint_for(cfg, src, block, split, round_, visits)
         sorted_idx = sample_indices(cfg, src.budget, split, round_)  # ascending
         order = row_order(cfg, split, round_, len(sorted_idx))
+        if split == "train":  # the windows of the visits this boundary serves
+            order = order[boundary_rows(src.budget, visits)]
         idx = sorted_idx[order]
         if is_complete(cfg.cache.root, fp):
             bad = CacheWriter.open(cfg.cache.root, fp).missing_shards(verify=True) if verify else []
@@ -337,8 +404,10 @@ def plan_caches(
         missing: list[int] = []
         if create:
             # (N, S+1) ids and (N, S) labels (IGNORE where masked) int32, in row order
-            rows, labels = src.store.read_indices_with_labels(split, sorted_idx)
-            rows, labels = rows[order], labels[order]
+            held = np.unique(order)
+            rows, labels = src.store.read_indices_with_labels(split, sorted_idx[held])
+            at = np.searchsorted(held, order)
+            rows, labels = rows[at], labels[at]
             writer = CacheWriter.create(
                 cfg.cache.root,
                 fp,
@@ -350,7 +419,7 @@ def plan_caches(
                 seq_len=src.store.seq_len,
                 hidden_size=src.ckpt.hidden_size,
                 cache_cfg=cfg.cache,
-                meta=cache_meta(cfg, src, block, split, round_),
+                meta=cache_meta(cfg, src, block, split, round_, visits),
             )
             missing = writer.missing_shards()
         plans.append(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, field_docs
-from preinfer.cache_identity import visit_budget
+from preinfer.cache_identity import boundary_rows, boundary_visits, visit_budget
 from preinfer.costmodel import Flops
 from preinfer.guards import cache_bytes
 from preinfer.memory import (
@@ -239,13 +239,17 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
     times = [step_time(f"bcd {k}", fl.bcd(k), o.cards, peak["train"]) for k in range(M)]
     pre = None
     budget = visit_budget(cfg, n_tr, n_val or 0) if n_tr else None
-    cached = budget.rows if budget else None
-    if cached and peak["infer"] and M > 1:  # per round: each boundary refreshed once, in bf16
-        pre = sum(fl.preinfer(k) for k in range(1, M)) * cached * p.seq
+    # train rows each boundary of round 0 holds: the windows of the visits it serves
+    held = {k: len(boundary_rows(budget, boundary_visits(cfg, M, 0, k)))
+            for k in range(1, M)} if budget else {}  # fmt: skip
+    cached = max(held.values()) if held else (budget.rows if budget else None)
+    if held and peak["infer"]:  # per round: each boundary refreshed once, in bf16
+        pre = sum(fl.preinfer(k) * rows for k, rows in held.items()) * p.seq
         pre /= o.cards * peak["infer"] * o.mfu
     read = steps / M / cfg.train.rounds * p.batch * o.cards  # samples one block visit reads
     out["cache_use"] = {
-        "cached_per_boundary": cached, "read_per_visit": round(read),
+        "cached_per_boundary": cached, "cached_by_boundary": held or None,
+        "read_per_visit": round(read),
         "visit_rows": budget.visit_rows if budget else None,
         "cache_visits": cfg.train.cache_visits,
         # rows a round's M visits read between them: train.cache_visits trades cache size
@@ -363,8 +367,12 @@ def format_plan(plan: dict) -> str:
                    f"{'-' if h is None else f'{h:,.1f}'}  cost {_usd(cost)}{extra}")  # fmt: skip
     use = c["cache_use"]
     if use["visit_rows"]:
-        out.append(f"  rows: each boundary caches {use['cached_per_boundary']:,} train rows per "
-                   f"round (train.cache_visits {use['cache_visits']:g}); each visit reads a window "
+        by = list((use["cached_by_boundary"] or {}).values()) or [use["cached_per_boundary"]]
+        held = (f"each boundary caches {by[0]:,} train rows per round" if len(set(by)) <= 1
+                else f"boundaries 1..{len(by)} cache {', '.join(f'{n:,}' for n in by)} train "
+                "rows per round (the windows of the visits each serves)")  # fmt: skip
+        out.append(f"  rows: {held} "
+                   f"(train.cache_visits {use['cache_visits']:g}); each visit reads a window "
                    f"of {use['visit_rows']:,} ({use['steps_per_visit']} steps); a round's visits "
                    f"read {use['distinct_per_round']:,} distinct rows")  # fmt: skip
     meant = max(

@@ -52,7 +52,7 @@ class TrainConfig:
     epochs: float | None = 1.0
     """Passes over a visit's rows; rows = min(train x sample_fraction, max_steps x batch / epochs), and only those are cached. null = cache every sampled row, train max_steps."""
     cache_visits: float = 1.0
-    """Rows a round caches, in visits' worth (a visit reads max_steps x batch / epochs rows): 1 = every visit of the round reads the same rows (the smallest cache); the block count M = each visit reads rows of its own (M times the cache, where the train split holds them). Visits read successive windows of the round's rows."""
+    """Rows a round samples, in visits' worth (a visit reads max_steps x batch / epochs rows): 1 = every visit of the round reads the same rows (the smallest cache); the block count M = each visit reads rows of its own, where the train split holds them. Visits read successive windows of the round's rows; a boundary caches the windows of the visits it serves (ascending: M-K at boundary K)."""
     batch_size: int = 16
     """Global batch size in sequences (split evenly over workers)."""
     grad_clip: float = 1.0

@@ -24,7 +24,15 @@ import torch
 
 from core import faults
 from core.config import ConfigError
-from preinfer.cache_identity import store_budget, visit_data_seed, visit_train_rows, visit_window
+from preinfer.cache_identity import (
+    boundary_rows,
+    boundary_visits,
+    cache_window,
+    store_budget,
+    visit_data_seed,
+    visit_train_rows,
+    visit_window,
+)
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast, compute_dtype, pin_threads, torch_dtype
@@ -219,9 +227,19 @@ class Visit:
             self.val_cache = open_cache(
                 root, spec.cache_val, expected_fingerprint=spec.cache_val, lease_s=lease_s
             )
-            start, n = self.window
+            # the boundary holds the windows of the visits it serves; this visit reads its own
+            held = boundary_rows(
+                self.budget, boundary_visits(cfg, self.M, spec.round, self.K, self.position)
+            )
             train = self.train_cache
-            if n < train.num_samples:  # this visit's window of the round's rows
+            if train.num_samples != len(held):
+                raise ConfigError(
+                    f"cache {spec.cache_train[:12]} holds {train.num_samples} train rows, but "
+                    f"block {self.K}'s boundary in round {spec.round} holds {len(held)} under this "
+                    "config; rebuild it (`preinfer cache build`) with the config the visit runs"
+                )
+            start, n = cache_window(self.budget, held, self.position)
+            if start or n < train.num_samples:  # this visit's window of the boundary's rows
                 train = CacheWindow(train, start, n)
             self.batches = CacheBatches(train, buffer_mb=cfg.train.shuffle_buffer_mb, **kw)
         else:

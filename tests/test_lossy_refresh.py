@@ -63,7 +63,7 @@ def test_a_refresh_would_not_hold_the_build_bytes(tiny_run, tmp_path, dtype):
         w = PrefixWorker(cfg, 2, 1, {fp: src}, choice.compute, choice.round_to)
         try:
             built = open_cache(cfg.cache.root, fp)
-            hidden = w._compute(w._read_source(fp, 0, built.num_samples))  # (n, S, H)
+            hidden = w._compute(w._read_source(fp, 0, built.num_samples))[0]  # (n, S, H)
         finally:
             w.close()
         stored[d] = (encode(hidden, d)[0], built.read_stored(0, built.num_samples)[0])

@@ -220,17 +220,21 @@ def test_cli_prints_a_report_and_json(tiny_run, capsys):
 @pytest.mark.parametrize("cache_visits", [1, 3])
 def test_plan_shows_rows_per_visit_and_what_a_round_reads(tmp_path, capsys, cache_visits):
     """train.cache_visits trades the cache's size for the rows a round's visits read: 1 = every
-    visit the same window, M = a window each (train rows allowing)."""
+    visit the same window, M = a window each (train rows allowing), boundary K holding the
+    windows of visits K..M-1 (ascending, M = 3: 40 and 20 rows)."""
     cfg = load_config(None, [f"run.dir={tmp_path}", *TINY, "train.max_steps=5", "train.epochs=1",
                              f"train.cache_visits={cache_visits}"])  # fmt: skip
     _tokens(cfg, 200, 20)
     assert plan.run_plan(cfg, _args("--json", "--card", "cpu")) == 0
     use = json.loads(capsys.readouterr().out)["cost"]["cache_use"]
     assert use["visit_rows"] == 20 and use["cache_visits"] == cache_visits  # 5 steps x batch 4
-    assert use["cached_per_boundary"] == use["distinct_per_round"] == 20 * cache_visits
+    assert use["distinct_per_round"] == 20 * cache_visits
+    held = {"1": 20, "2": 20} if cache_visits == 1 else {"1": 40, "2": 20}
+    assert use["cached_by_boundary"] == held and use["cached_per_boundary"] == held["1"]
     assert plan.run_plan(cfg, _args("--card", "cpu")) == 0
     text = capsys.readouterr().out
-    assert f"each boundary caches {20 * cache_visits} train rows per round" in text
+    rows = "each boundary caches 20" if cache_visits == 1 else "boundaries 1..2 cache 40, 20"
+    assert f"{rows} train rows per round" in text
     assert f"read {20 * cache_visits} distinct rows" in text and "note:" not in text
 
 

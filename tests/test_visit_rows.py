@@ -18,7 +18,15 @@ import torch
 from core import faults
 from core.config import ConfigError
 from pipelines.bcd import run_bcd
-from preinfer.cache_identity import visit_budget, visit_window
+from pipelines.cache_build import source_rows
+from preinfer.cache_identity import (
+    CachePlan,
+    boundary_rows,
+    boundary_visits,
+    cache_window,
+    visit_budget,
+    visit_window,
+)
 from preinfer.config import load_config
 from preinfer.trainer import CacheBatches, CacheWindow, TokenBatches
 from preinfer.visit import VisitHooks
@@ -102,7 +110,7 @@ def test_visits_of_a_round_read_different_rows(tiny_run, tmp_path, visits):
     from the cache gives the weights of rerunning the prefix (same tolerance as
     tests/test_rotation_order.py)."""
     sets = (*ROWS, f"train.cache_visits={visits}", "train.rounds=2", *FAST)
-    cached = tiny_run(*sets)
+    cached = tiny_run(*sets, "cache.keep=true")
     other = tmp_path / "recompute"
     shutil.copytree(tmp_path / "run", other)
     recompute = tiny_cfg(other, *sets, "train.mode=bcd-recompute")
@@ -126,6 +134,83 @@ def test_visits_of_a_round_read_different_rows(tiny_run, tmp_path, visits):
     assert windows[:3] == [(0, k, {"start": 24 * k % R, "rows": 24, "of": R}) for k in range(3)]
     state = json.loads(Path(cached.run.dir, "state.json").read_text())
     assert state["cache_visits"] == visits
+    # boundary K holds the windows of visits K..M-1 only: 48 and 24 train rows, not R and R;
+    # boundary 2 refreshed from boundary 1's rows (a subset of them)
+    held = [(e["action"], e["boundary"],
+             open_cache(cached.cache.root, e["fingerprints"]["train"]).num_samples)
+            for e in state["events"] if e["round"] == 1]  # fmt: skip
+    assert held == [("built", 1, 48), ("refreshed", 2, 24)]
+    from tests.test_rotation_order import weights
+
+    w_cache, w_ref = weights(cached), weights(recompute)
+    for name in w_cache:
+        torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_boundary_holds_the_windows_of_the_visits_it_serves():
+    """boundary_visits: the run of the round's positions around the visit whose blocks are all
+    >= K (no block below K trains in it, so the cache stays current); the same from any
+    position of the run, so a resumed round plans the caches it made."""
+    cfg = load_config("configs/demo.yaml", ["train.seed=0"])
+    M = 4
+    assert [boundary_visits(cfg, M, 0, k) for k in (1, 2, 3)] == [[1, 2, 3], [2, 3], [3]]
+    cfg.train.order = "descending"  # blocks 3 2 1 0: every boundary made at the round's start
+    assert [boundary_visits(cfg, M, 0, k) for k in (1, 2, 3)] == [[0, 1, 2], [0, 1], [0]]
+    assert boundary_visits(cfg, M, 0, 1, position=2) == [0, 1, 2]
+    cfg.train.order = "random"
+    from preinfer.trainer import round_blocks
+
+    for r in range(6):
+        order = round_blocks(cfg.train, M, r)
+        for q, b in enumerate(order):
+            for k in range(1, b + 1):
+                run = boundary_visits(cfg, M, r, k, position=q)
+                assert q in run and all(order[p] >= k for p in run)
+                assert all(order[p] < k for p in (run[0] - 1, run[-1] + 1) if 0 <= p < M)
+                if k >= 2:  # a refresh's source serves every visit its target does
+                    assert set(run) <= set(boundary_visits(cfg, M, r, k - 1, position=q))
+    with pytest.raises(ConfigError, match="trains a block below 2"):
+        boundary_visits(load_config("configs/demo.yaml", []), M, 0, 2, position=1)
+    # windows: 3 visits of 40 rows of 100 (capped): the third wraps to rows 0..19
+    b = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=3", n_train=100)
+    held = boundary_rows(b, [1, 2])
+    assert held.tolist() == [*range(0, 20), *range(40, 100)]
+    assert cache_window(b, held, 1) == (20, 40) and cache_window(b, held, 2) == (60, 40)
+    with pytest.raises(ConfigError, match="not the window"):
+        cache_window(b, boundary_rows(b, [2]), 1)
+
+
+def test_a_refresh_source_must_hold_the_targets_samples():
+    def plan(ids):
+        return CachePlan(split="train", fingerprint="f" * 64, indices=np.asarray(ids),
+                         complete=False, missing=[])  # fmt: skip
+
+    assert source_rows(plan([5, 9, 2]), plan([5, 9, 2])) is None
+    assert source_rows(plan([9, 2]), plan([7, 5, 9, 2])).tolist() == [2, 3]
+    with pytest.raises(ConfigError, match="lacks samples"):
+        source_rows(plan([9, 4]), plan([7, 5, 9, 2]))
+
+
+@pytest.mark.parametrize("order", ["descending", "random"])
+def test_windowed_caches_train_as_recompute_in_every_order(tiny_run, tmp_path, order):
+    """Descending makes every boundary at the round's start, random around each visit: each
+    holds the windows of the visits it serves, and a visit from the cache reads the rows, and
+    trains to the weights, of rerunning the prefix."""
+    sets = (*ROWS, "train.cache_visits=3", "train.rounds=2", f"train.order={order}", *FAST)
+    cached = tiny_run(*sets, "cache.keep=true")
+    other = tmp_path / "recompute"
+    shutil.copytree(tmp_path / "run", other)
+    recompute = tiny_cfg(other, *sets, "train.mode=bcd-recompute")
+    got, ref = {}, {}
+    run_bcd(cached, log=quiet, hooks=read_rows(got))
+    run_bcd(recompute, log=quiet, hooks=read_rows(ref))
+    assert got.keys() == ref.keys() and len(got) == 6
+    for key in got:
+        assert np.array_equal(got[key], ref[key]), key
+    state = json.loads(Path(cached.run.dir, "state.json").read_text())
+    sizes = {open_cache(cached.cache.root, fp).num_samples
+             for e in state["events"] for fp in [e["fingerprints"]["train"]]}  # fmt: skip
+    assert max(sizes) < 72  # no boundary holds all three windows
     from tests.test_rotation_order import weights
 
     w_cache, w_ref = weights(cached), weights(recompute)
