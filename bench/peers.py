@@ -12,6 +12,8 @@
     python -m bench.peers --quick --sweep               # the quick steps, 3 lrs per arm swept
     python -m bench.peers --seeds 0 --lrs full=3e-5,1e-4,3e-4   # the full form's sweep only,
         # with full's grid moved up one step
+    python -m bench.peers --arms bcd --lrs bcd=3e-4 --cache-dtype fp32   # bcd with caches that
+        # hold the prefix's fp32 hidden states (the cache's rounding, against bcd-recompute)
     python -m bench.peers --work runs/peers --jobs 2 --resume   # two arms at a time (each arm
         # then shares the machine with another: the load is recorded per run); --resume reuses
         # every run whose record <work>/runs/*.json the same settings made (a stopped bench
@@ -223,6 +225,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--steps", type=int, default=None, help="steps per block visit")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument(
+        "--cache-dtype",
+        default=None,
+        choices=["bf16", "fp16", "fp32"],
+        help="cache.dtype of the bcd arm (default bf16)",
+    )
     ap.add_argument("--sweep", action="store_true",
                     help="the full form's 3 lrs per arm at this scale (e.g. with --quick)")  # fmt: skip
     ap.add_argument("--lrs", action="append", default=[], metavar="ARM=LR,LR,...",
@@ -246,7 +254,8 @@ def main(argv=None) -> dict:
         child_main(a.child)
         return {}
     sc = dataclasses.replace(TINY if a.model == "tiny" else QUICK if a.quick else FULL)
-    for name, v in (("seeds", a.seeds), ("steps_per_visit", a.steps), ("rounds", a.rounds)):
+    for name, v in (("seeds", a.seeds), ("steps_per_visit", a.steps), ("rounds", a.rounds),
+                    ("cache_dtype", a.cache_dtype)):  # fmt: skip
         if v is not None:
             setattr(sc, name, v)
     sc.lrs = dict(FULL.lrs if a.sweep else sc.lrs)  # a copy: the preset's own dict stays

@@ -55,6 +55,9 @@ class Scale:
     """train.cache_visits of every arm; None = M: the visits of a round read M different
     windows of rows (M x steps x batch rows a round, one pass), as a fine-tune reads its data;
     1 = every visit the same rows."""
+    cache_dtype: str = "bf16"
+    """cache.dtype of the bcd arm: what its boundary caches store (fp32: the prefix's hidden
+    states as bcd-recompute computes them)."""
     warmup_steps: int = 5
     """Linear warmup steps at the start of the run (bcd: of its rotation, train.schedule=run)."""
     eval_batches: int = 4
@@ -160,7 +163,7 @@ def common_overrides(sc: Scale, work: Path, model_dir: Path, jsonl: Path) -> lis
         "model.arch=llama", f"model.checkpoint={model_dir}", f"data.tokenizer={model_dir}",
         "data.format=prompt_response", f"data.source={jsonl}", "data.max_documents=null",
         f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
-        f"data.out_dir={work / 'tokens'}", f"partition.num_blocks={sc.M}", "cache.dtype=bf16",
+        f"data.out_dir={work / 'tokens'}", f"partition.num_blocks={sc.M}", f"cache.dtype={sc.cache_dtype}",
         f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
         f"train.rounds={sc.rounds}", f"train.cache_visits={sc.cache_visits or sc.M}",
         "train.epochs=1", f"train.warmup_steps={sc.warmup_steps}",

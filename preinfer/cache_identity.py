@@ -56,8 +56,8 @@ class PreinferConfig:
     sample_fraction: float = 1.0
     """Fraction of train samples cached per round (deterministic per seed and round; part of the fingerprint)."""
     compute_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Dtype the prefix computes in; auto = the cache dtype where the device runs it natively
-    (CUDA, AVX512-BF16/AMX CPUs), else fp32 rounded to the cache dtype at each block boundary."""
+    """Dtype the prefix computes in; auto = the cache dtype where the device runs it fast
+    (CUDA, AMX-BF16 CPUs), else fp32 rounded to the cache dtype at each block boundary."""
     max_restarts: int = 2
     """How often a dead actor is restarted."""
     max_task_retries: int = -1

@@ -1,6 +1,7 @@
 """Device and precision choice: training's autocast (`training_precision`) and pre-inference's
-compute dtype (`compute_dtype`), both by one rule: bf16 where the device computes it natively
-(CUDA; a CPU with AVX512-BF16/AMX, `cpu_native_bf16`), fp32 elsewhere."""
+compute dtype (`compute_dtype`), both by one rule: bf16 where the device computes it fast
+(CUDA; a CPU with AMX-BF16 tiles, `cpu_amx_bf16`), fp32 elsewhere. A CPU with AVX512-BF16 but
+no AMX has bf16 instructions, yet ran both slower in bf16 than in fp32 (docs/usage.md)."""
 
 from __future__ import annotations
 
@@ -108,9 +109,11 @@ class ComputeChoice:
 def compute_dtype(requested: str, cache_dtype: str, device: str = "auto") -> ComputeChoice:
     """Resolve preinfer.compute_dtype for a cache of `cache_dtype` on run.device `device`.
 
-    auto: the stored float dtype where the device computes in it natively (CUDA; a CPU with
-    AVX512-BF16/AMX for bf16), else fp32 with each block's output rounded to the stored dtype,
-    so that a refresh (which starts from the stored boundary) equals a build bit for bit.
+    auto: the stored float dtype where the device computes in it fast (CUDA; for bf16 a CPU
+    with AMX-BF16), else fp32 with each block's output rounded to the stored dtype, so that a
+    refresh (which starts from the stored boundary) equals a build bit for bit. On a CPU with
+    AVX512-BF16 but no AMX the fp32 forward ran 1.47x (H=576) and 1.48x (H=1024) faster than
+    bf16's (bench/preinfer_throughput.py --arms dtype).
     """
     native = NATIVE_COMPUTE.get(cache_dtype, "fp32")
     if requested not in ("auto", "fp32", "bf16"):
@@ -123,9 +126,17 @@ def compute_dtype(requested: str, cache_dtype: str, device: str = "auto") -> Com
     elif kind == "cuda":
         name, reason = native, f"{native} on CUDA"
     else:
-        fast, cap = cpu_native_bf16()
-        if native == "bf16" and fast:
-            name, reason = "bf16", f"CPU capability {cap}: native bf16"
+        has, cap = cpu_native_bf16()
+        if native == "bf16" and cpu_amx_bf16():
+            name, reason = "bf16", f"CPU capability {cap}: AMX-BF16, native bf16"
+        elif native == "bf16" and has:
+            name, reason = (
+                "fp32",
+                (
+                    f"CPU capability {cap}: bf16 without AMX (a bf16 forward runs slower than fp32 "
+                    "there), so fp32 rounded to bf16 at each block boundary"
+                ),
+            )
         else:
             name, reason = (
                 "fp32",

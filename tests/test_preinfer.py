@@ -141,8 +141,12 @@ def test_auto_compute_dtype_follows_the_hardware(monkeypatch):
     from preinfer import device
 
     monkeypatch.setattr(device.torch.cuda, "is_available", lambda: False)
-    for native, want in ((False, ("fp32", "bf16")), (True, ("bf16", None))):
+    # AVX2; AVX512-BF16 without AMX (bf16 slower than fp32 there); AMX-BF16
+    cases = ((False, False, ("fp32", "bf16")), (True, False, ("fp32", "bf16")),
+             (True, True, ("bf16", None)))  # fmt: skip
+    for native, amx, want in cases:
         monkeypatch.setattr(device, "cpu_native_bf16", lambda n=native: (n, "TEST"))
+        monkeypatch.setattr(device, "cpu_amx_bf16", lambda a=amx: a)
         c = device.compute_dtype("auto", "bf16")
         assert (c.compute, c.round_to) == want and "TEST" in c.reason
     assert device.compute_dtype("auto", "bf16", "cuda").compute == "bf16"
@@ -154,7 +158,8 @@ def test_auto_compute_dtype_follows_the_hardware(monkeypatch):
 
 def test_native_bf16_detection_matches_the_cpus_own_flags():
     """The real detection (no patch): native bf16 iff the kernel lists a bf16 matmul flag for
-    this CPU (x86: avx512_bf16 / amx_bf16; Arm: bf16 / svebf16), and auto follows it."""
+    this CPU (x86: avx512_bf16 / amx_bf16; Arm: bf16 / svebf16); auto computes in bf16 iff
+    it lists amx_bf16."""
     from preinfer import device
 
     text = Path("/proc/cpuinfo").read_text()
@@ -168,7 +173,8 @@ def test_native_bf16_detection_matches_the_cpus_own_flags():
     native, name = device.cpu_native_bf16()
     assert native == want, (name, sorted(flags & {"avx512_bf16", "amx_bf16", "bf16", "svebf16"}))
     choice = device.compute_dtype("auto", "bf16", "cpu")
-    assert (choice.compute, choice.round_to) == (("bf16", None) if want else ("fp32", "bf16"))
+    amx = "amx_bf16" in flags
+    assert (choice.compute, choice.round_to) == (("bf16", None) if amx else ("fp32", "bf16"))
 
 
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])

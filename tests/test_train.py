@@ -37,7 +37,7 @@ def one_step(cfg, block, mode, fps=None):
 
 
 # (optimizer, cache dtype, the prefix's compute dtype, training precision): fp32, and the path
-# a bf16-native device takes (CUDA, AVX512-BF16/AMX CPUs), forced here on any CPU
+# a bf16-native device takes (CUDA, AMX-BF16 CPUs), forced here on any CPU
 STEP_PATHS = [("adamw", "fp32", "fp32", "fp32"), ("sgd", "fp32", "fp32", "fp32"),
               ("adamw", "bf16", "bf16", "bf16")]  # fmt: skip
 
