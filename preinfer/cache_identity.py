@@ -150,13 +150,14 @@ def visit_budget(cfg, n_train: int, n_val: int) -> VisitBudget:
         why = f"{visit_rows} of {n_train} train rows ({limit}), {steps} steps"
         if tc.cache_visits != 1:
             why += (
-                f"; the round caches {rows} rows (cache_visits {tc.cache_visits:g}"
+                f"; the round samples {rows} rows (cache_visits {tc.cache_visits:g}"
                 + (
                     f", capped by {cap} sampled rows"
                     if rows == cap < tc.cache_visits * visit_rows
                     else ""
                 )
-                + "), visits read successive windows of them"
+                + "), visits read successive windows of them, and a boundary caches the "
+                "windows of the visits it serves"
             )
     val_rows = n_val if not tc.eval_batches else min(n_val, tc.eval_batches * B)
     why += f"; {val_rows} of {n_val} val rows" + (

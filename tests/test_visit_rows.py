@@ -51,7 +51,7 @@ def test_cache_visits_sizes_the_rounds_rows_and_the_windows():
     three = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=3")
     assert (three.rows, three.visit_rows, three.steps, three.passes) == (120, 40, 10, 1.0)
     assert [visit_window(three, p) for p in range(3)] == [(0, 40), (40, 40), (80, 40)]
-    assert "the round caches 120 rows (cache_visits 3)" in three.why
+    assert "the round samples 120 rows (cache_visits 3)" in three.why
     # the sampled rows cap the round's: windows wrap, every visit still reads 40 rows
     capped = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=3", n_train=100)
     assert (capped.rows, capped.visit_rows) == (100, 40)
