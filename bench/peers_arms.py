@@ -33,7 +33,7 @@ from preinfer.trainer import (
     lr_at,
     peak_memory_mb,
     reset_peak_memory,
-    round_blocks,
+    visit_position,
 )
 from preinfer.visit import VisitHooks
 from storage.tokens import IGNORE, TokenStore
@@ -171,7 +171,7 @@ def visit_batches(cfg, store: TokenStore, budget, r: int, k: int, M: int) -> Tok
     """The batches of the rotation's visit (round r, block k) as bcd-recompute reads them: the
     visit's rows (preinfer.cache_identity.visit_train_rows: the round's sampled rows in cache
     row order, the window of the visit's place in its round), shuffled with the visit's seed."""
-    rows = visit_train_rows(cfg, budget, r, round_blocks(cfg.train, M, r).index(k))
+    rows = visit_train_rows(cfg, budget, r, visit_position(cfg.train, M, r, k))
     return TokenBatches(
         store,
         "train",

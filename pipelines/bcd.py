@@ -48,7 +48,7 @@ from preinfer.guards import (
 from preinfer.metrics import append_metrics, last_visit_summary
 from preinfer.provenance import check_settings
 from preinfer.run_lock import run_lock
-from preinfer.trainer import round_blocks
+from preinfer.trainer import round_blocks, visit_position
 from preinfer.visit import VisitHooks, finish_committed
 from storage import fs
 from storage.atomic import dir_bytes, write_json
@@ -109,7 +109,7 @@ def ensure_cache(
     else:
         below = position
         if below is None:
-            below = round_blocks(cfg.train, src.ckpt.num_blocks, round_).index(block)
+            below = visit_position(cfg.train, src.ckpt.num_blocks, round_, block)
         prev_ok = (
             block >= 2
             and refresh_allowed(cfg)
@@ -254,7 +254,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
         action, fps = "tokens", None
         if descending and k > 0:
             if r not in ready:  # the round's start, or its first visit left after a kill
-                ready[r] = _ensure_boundaries(cfg, state, r, k, log)
+                ready[r] = _ensure_boundaries(cfg, state, orders[r], r, k, log)
             action, fps = ready[r][k]
         elif rand and k > 0:
             ready[r] = _random_boundaries(cfg, state, orders[r], k, r, log)
@@ -365,12 +365,12 @@ def _check_same_rotation(cfg: Config, state: dict, mode: str) -> None:
 
 
 def _ensure_boundaries(
-    cfg: Config, state: dict, round_: int, upto: int, log
+    cfg: Config, state: dict, order: list[int], round_: int, upto: int, log
 ) -> dict[int, tuple[str, dict[str, str]]]:
     """Descending order: make boundaries 1..upto of the round current, in ascending order (so
     each refreshes from the one before), and keep them all: {boundary: (action, fingerprints)}."""
     out: dict[int, tuple[str, dict[str, str]]] = {}
-    q = round_blocks(cfg.train, Checkpoint.open(cfg.run.checkpoint).num_blocks, round_).index(upto)
+    q = order.index(upto)
     for j in range(1, upto + 1):  # made for the visit at q (they serve it and the ones before)
         out[j] = ensure_cache(cfg, state, j, round_, log=log, position=q)
         state["caches_in_use"] = _fingerprints(out)

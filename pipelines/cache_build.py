@@ -41,7 +41,7 @@ from preinfer.cache_identity import CachePlan, Sources, compute_choice, plan_cac
 from preinfer.config import Config
 from preinfer.guards import check_disk_for_cache, check_vocab
 from preinfer.provenance import check_settings
-from preinfer.trainer import round_blocks
+from preinfer.trainer import visit_position
 from storage.cache import CacheWriter
 from storage.config import LOSSY_DTYPES
 from storage.layout import is_complete
@@ -238,7 +238,7 @@ def refresh_cache(
     src = src or Sources.open(cfg)
     _check_inputs(cfg, src, "cache refresh")
     if position is None:  # the source as this boundary's own visit finds it
-        position = round_blocks(cfg.train, src.ckpt.num_blocks, round_).index(block)
+        position = visit_position(cfg.train, src.ckpt.num_blocks, round_, block)
     prev = plan_caches(cfg, block - 1, round_, position=position, create=False, src=src)
     stale = [p for p in prev if not is_complete(cfg.cache.root, p.fingerprint)]
     if stale:
@@ -270,7 +270,7 @@ def source_rows(target: CachePlan, source: CachePlan) -> np.ndarray | None:
     if len(a) == len(b) and np.array_equal(a, b):
         return None
     sorter = np.argsort(b, kind="stable")
-    at = sorter[np.minimum(np.searchsorted(b, a, sorter=sorter), len(b) - 1)]
+    at = sorter[np.minimum(np.searchsorted(b, a, sorter=sorter), len(b) - 1)] if len(b) else a
     if len(b) == 0 or not np.array_equal(b[at], a):
         raise ConfigError(
             f"the boundary cache {source.fingerprint[:12]} lacks samples that "

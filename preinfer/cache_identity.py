@@ -24,7 +24,7 @@ from core.config import ConfigError
 from core.fingerprint import cache_fingerprint
 from preinfer.checkpoint import Checkpoint
 from preinfer.device import ComputeChoice, compute_dtype, compute_dtype_key
-from preinfer.trainer import round_blocks
+from preinfer.trainer import round_blocks, visit_position
 from storage import fs
 from storage.cache import CacheWriter
 from storage.layout import is_complete
@@ -184,7 +184,7 @@ def boundary_visits(cfg, M: int, round_: int, block: int, position: int | None =
     all its boundaries first); random: the run around the visit. The run does not depend on
     which of its positions asks, so a resumed round plans the caches it made before."""
     order = round_blocks(cfg.train, M, round_)
-    q = order.index(block) if position is None else position
+    q = visit_position(cfg.train, M, round_, block) if position is None else position
     if not (0 <= q < M and order[q] >= block):
         raise ConfigError(
             f"the visit at position {position} of round {round_} (blocks {order}) does not read "

@@ -150,6 +150,12 @@ def round_blocks(tc: TrainConfig, M: int, round_: int) -> list[int]:
     return [int(b) for b in np.random.default_rng([tc.seed, round_, 31]).permutation(M)]
 
 
+def visit_position(tc: TrainConfig, M: int, round_: int, block: int) -> int:
+    """The place of block `block`'s visit in round `round_`'s order (round_blocks): it picks
+    the visit's window of the round's rows and the rows its boundary cache holds."""
+    return round_blocks(tc, M, round_).index(block)
+
+
 # ---------------------------------------------------------------------------------------------
 # Data: global batches of a fixed size, split evenly over ranks (every rank gets the same
 # number of steps), in an order fixed by (seed, round, block, epoch).

@@ -52,8 +52,8 @@ from preinfer.trainer import (
     lr_at,
     peak_memory_mb,
     reset_peak_memory,
-    round_blocks,
     train_step,
+    visit_position,
 )
 from preinfer.visit_state import drop_state, load_state, save_state, tokens_warning
 from storage.reader import open_cache
@@ -171,7 +171,7 @@ class Visit:
         self.sched, self.lr_offset = self.tc, 0
         # bcd modes: the visit's place in its round (train.order) picks its window of the rows
         self.position = (
-            0 if spec.mode == "full" else round_blocks(cfg.train, self.M, spec.round).index(K)
+            0 if spec.mode == "full" else visit_position(cfg.train, self.M, spec.round, K)
         )
         self.window = visit_window(self.budget, self.position)  # (start, rows) of the round's
         if cfg.train.schedule == "run" and spec.mode != "full":
