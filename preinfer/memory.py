@@ -398,13 +398,17 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
         rp = cfg.run.precision
         precision = "fp32" if rp == "fp32" or (target == "cpu" and rp == "auto") else "amp-bf16"
     rps = rows_per_shard(S, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
-    n_tr = None if n_train is None else visit_budget(cfg, n_train, n_val or 0).rows
+    budget = None if n_train is None else visit_budget(cfg, n_train, n_val or 0)
+    n_tr = None if budget is None else budget.rows
     tr_rows = rps if n_tr is None else min(rps, n_tr)
     # the trainer's shuffle buffer, as the reader sizes it (N unknown: the full budget)
+    row_bytes = S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize
     buf_rows = buffer_rows(
-        S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize, rps, b,
+        row_bytes, rps, b,
         None if n_tr is None else math.ceil(n_tr / cards), None, cfg.train.shuffle_buffer_mb,
     )  # fmt: skip
+    if budget is not None and budget.visit_rows * row_bytes <= cfg.train.shuffle_buffer_mb * 2**20:
+        buf_rows = max(buf_rows, budget.visit_rows)  # a window that fits is read whole, per rank
     val_rows = rps if n_val is None else min(rps, n_val)
     opt = optimizer or cfg.train.optimizer
     return Setup(precision=precision, optimizer=opt, momentum=cfg.train.momentum != 0,

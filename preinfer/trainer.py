@@ -12,10 +12,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from core import faults
 from core.config import ConfigError
 from preinfer.device import autocast
 from preinfer.loss import split_sample
 from storage.dataset import CacheDataset
+from storage.values import decode, stored_dtype
 
 # The paper's defaults per optimizer: (lr, momentum, weight decay).
 PAPER_DEFAULTS = {"sgd": (0.1, 0.9, 1e-5), "adam": (1e-4, 0.0, 1e-5), "adamw": (1e-4, 0.0, 1e-5)}
@@ -161,6 +163,17 @@ def visit_position(tc: TrainConfig, M: int, round_: int, block: int) -> int:
 # number of steps), in an order fixed by (seed, round, block, epoch).
 
 
+def epoch_order(n: int, seed: int, e: int, shuffle: bool) -> np.ndarray:
+    """Positions 0..n-1 in epoch e's order: a permutation drawn from (seed, e), or as they are.
+    Token and whole-cache batches both draw it, so a visit reads the same batches from either."""
+    return np.random.default_rng([seed, e]).permutation(n) if shuffle else np.arange(n)
+
+
+def rank_rows(order: np.ndarray, step: int, batch_size: int, rank: int, world: int) -> np.ndarray:
+    """(batch_size / world,) this rank's entries of global batch `step` of `order`, as drawn."""
+    return order[step * batch_size : (step + 1) * batch_size][rank::world]
+
+
 class TokenBatches:
     """Batches of (input_ids (b, S), labels (b, S)) from a token store split; labels[:, t] is
     position t's target (loss.split_sample: the next token, or an mlm store's unshifted labels)."""
@@ -189,12 +202,9 @@ class TokenBatches:
         self.steps_per_epoch = len(self.rows) // batch_size
 
     def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = self.rows
-        if self.shuffle:
-            order = self.rows[np.random.default_rng([self.seed, e]).permutation(len(self.rows))]
+        order = self.rows[epoch_order(len(self.rows), self.seed, e, self.shuffle)]
         for s in range(self.steps_per_epoch):
-            glob = order[s * self.batch_size : (s + 1) * self.batch_size]
-            mine = glob[self.rank :: self.world]  # (b/world,) this rank's rows, as drawn
+            mine = rank_rows(order, s, self.batch_size, self.rank, self.world)
             srt = np.argsort(mine, kind="stable")  # the store reads ascending rows
             rows = np.empty((len(mine), self.store.seq_len + 1), np.int32)
             labels = np.empty((len(mine), self.store.seq_len), np.int32)  # IGNORE where masked
@@ -204,7 +214,13 @@ class TokenBatches:
 
 class CacheBatches:
     """Batches of (hidden (b, S, H) fp32, labels (b, S)) from an activation cache split (the
-    labels the cache build copied from the token store, aligned as TokenBatches')."""
+    labels the cache build copied from the token store, aligned as TokenBatches').
+
+    A shuffled epoch of a cache whose stored values fit the shuffle buffer (`buffer_mb`) reads
+    it whole once and draws TokenBatches' batches (epoch_order, rank_rows): a visit from its
+    cache then trains on the batches that recomputing its prefix would, step for step. A larger
+    cache streams through storage.dataset.CacheDataset (shard order, then a buffer shuffle),
+    and an unshuffled one (evaluation) reads in row order either way."""
 
     def __init__(
         self,
@@ -228,8 +244,14 @@ class CacheBatches:
         self.rank, self.world, self.shuffle, self.dtype = rank, world, shuffle, dtype
         self.buffer_mb = buffer_mb  # the shuffle buffer, see storage.reader.CacheDataset
         self.steps_per_epoch = n // batch_size
+        row_bytes = cache.seq_len * cache.hidden_size * stored_dtype(cache.dtype).itemsize
+        self.fits = n * row_bytes <= buffer_mb * 2**20
+        self._whole = None  # (values (n, S, H) stored, scale (n, S) | None, labels (n, S))
 
     def epoch(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.shuffle and self.fits:
+            yield from self._drawn(e)
+            return
 
         ds = CacheDataset(
             self.cache,
@@ -247,6 +269,19 @@ class CacheBatches:
             if i >= self.steps_per_epoch:
                 break
             yield hidden, labels
+
+    def _drawn(self, e: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._whole is None:  # kept for the visit's later epochs
+            n = self.cache.num_samples
+            values, scale = self.cache.read_stored(0, n)
+            self._whole = values, scale, self.cache.read_labels(0, n)[0]
+        values, scale, labels = self._whole
+        order = epoch_order(len(labels), self.seed, e, True)
+        for s in range(self.steps_per_epoch):
+            ix = rank_rows(order, s, self.batch_size, self.rank, self.world)
+            faults.read_gate()
+            sc = None if scale is None else scale[ix]
+            yield decode(values[ix], sc, self.cache.dtype, self.dtype), labels[torch.from_numpy(ix)]
 
 
 class CacheWindow:

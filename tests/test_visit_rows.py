@@ -218,6 +218,71 @@ def test_windowed_caches_train_as_recompute_in_every_order(tiny_run, tmp_path, o
         torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+class Recorded:
+    """A visit's batches as they are, each batch's labels kept in `out` (a list)."""
+
+    def __init__(self, inner, out: list):
+        self.inner, self.out, self.steps_per_epoch = inner, out, inner.steps_per_epoch
+
+    def epoch(self, e: int):
+        for x, labels in self.inner.epoch(e):
+            self.out.append(labels.clone())
+            yield x, labels
+
+
+def record_batches(record):
+    def batches(visit, default):
+        return Recorded(default, record.setdefault((visit.spec.round, visit.K), []))
+
+    return VisitHooks(batches=batches)
+
+
+@pytest.mark.parametrize("order", ["ascending", "random"])
+def test_shuffled_cache_visits_read_recomputes_batches_step_for_step(tiny_run, tmp_path, order):
+    """A window that fits the shuffle buffer is read whole and drawn in TokenBatches' order: a
+    shuffled visit from the cache reads, batch by batch, the rows recomputing its prefix reads
+    (two epochs of its window: max_steps 6 over 24 rows), and trains to its weights."""
+    sets = ("train.epochs=1", "train.max_steps=6", "train.cache_visits=3", "train.rounds=2",
+            f"train.order={order}", *FAST)  # fmt: skip
+    cached = tiny_run(*sets, "cache.keep=true")
+    other = tmp_path / "recompute"
+    shutil.copytree(tmp_path / "run", other)
+    recompute = tiny_cfg(other, *sets, "train.mode=bcd-recompute")
+    got, ref = {}, {}
+    run_bcd(cached, log=quiet, hooks=record_batches(got))
+    run_bcd(recompute, log=quiet, hooks=record_batches(ref))
+    assert got.keys() == ref.keys() and len(got) == 6
+    for key in got:
+        assert len(got[key]) == len(ref[key]) == 6
+        for step, (a, b) in enumerate(zip(got[key], ref[key], strict=True)):
+            assert torch.equal(a, b), (key, step)
+        assert not torch.equal(got[key][0], got[key][3])  # the second epoch: another order
+    from tests.test_rotation_order import weights
+
+    w_cache, w_ref = weights(cached), weights(recompute)
+    for name in w_cache:
+        torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_cache_past_the_shuffle_buffer_streams_in_shard_order(tmp_path):
+    """CacheBatches reads a cache larger than its buffer through CacheDataset (every row once
+    per epoch, in another order than TokenBatches'), one that fits in TokenBatches' order."""
+    write_small_cache(tmp_path, "c" * 64, N=24)  # 3 shards of 8 rows
+    cache = open_cache(tmp_path, "c" * 64)
+    row_mb = cache.seq_len * cache.hidden_size * 2 / 2**20
+    whole = CacheBatches(cache, batch_size=4, seed=3, buffer_mb=24 * row_mb)
+    stream = CacheBatches(cache, batch_size=4, seed=3, buffer_mb=8 * row_mb)
+    assert whole.fits and not stream.fits
+    rows = next(iter(CacheBatches(cache, batch_size=24, seed=0, shuffle=False).epoch(0)))[0]
+    want = rows[np.random.default_rng([3, 1]).permutation(24)]  # (24, S, H) fp32
+    assert torch.equal(torch.cat([x for x, _ in whole.epoch(1)]), want)
+    streamed = torch.cat([x for x, _ in stream.epoch(1)])
+    key = lambda t: sorted(t[:, 0, 0].tolist())  # noqa: E731 - a row's first value names it
+    assert key(streamed) == key(rows) and not torch.equal(streamed, want)
+    x, _ = next(iter(whole.epoch(0)))
+    assert x.dtype == torch.float32 and x.shape == (4, cache.seq_len, cache.hidden_size)
+
+
 def test_random_order_windows_follow_the_visits_place_in_its_round(tiny_run):
     cfg = tiny_run(*ROWS, "train.cache_visits=3", "train.order=random", "train.max_steps=3",
                    "train.mode=bcd-recompute", *FAST)  # fmt: skip
