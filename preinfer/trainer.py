@@ -78,7 +78,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of data order and dropout."""
     shuffle_buffer_mb: float = 64.0
-    """Host MB of stored cache rows a rank shuffles together (bcd K > 0); the whole split if it fits."""
+    """Host MB of stored cache rows a rank shuffles together (bcd K > 0); a visit's rows that fit are drawn as from tokens."""
     loss_chunk: int = 256
     """Tokens per chunk of the fused LM head + cross-entropy (only (chunk, V) logits alive); 0 = plain."""
 
