@@ -123,6 +123,9 @@ def targets(runs: dict[str, dict]) -> dict:
         hit = first_at_or_below(bcd["curve"], runs[b]["final_loss"])
         out[f"bcd_time_to_{b}_loss"] = hit["seconds"] / runs[b]["seconds"] if hit else None
         out[f"bcd_peak_over_{b}"] = bcd["peak_rss_mb"] / runs[b]["peak_rss_mb"]
+        # the same steps: where bcd ends level with b, the time to b's loss hangs on ~1e-3
+        out[f"bcd_over_{b}_seconds"] = bcd["seconds"] / runs[b]["seconds"]
+        out[f"bcd_minus_{b}_loss"] = bcd["final_loss"] - runs[b]["final_loss"]
     if "full" in runs:
         full = runs["full"]
         out["bcd_loss_at_full_time"] = loss_at(bcd["curve"], full["seconds"]) / full["final_loss"]
@@ -148,6 +151,8 @@ TARGETS = [  # key, what, target, met when
      "<= 1.0", lambda v: v <= 1.0),
     ("bcd_peak_over_badam-layers", "bcd peak RSS / badam-layers'", "<= 1.0", lambda v: v <= 1.0),
     ("bcd_peak_over_badam-blocks", "bcd peak RSS / badam-blocks'", "<= 1.0", lambda v: v <= 1.0),
+    ("bcd_over_badam-blocks_seconds", "bcd seconds / badam-blocks' (the same steps)", "", None),
+    ("bcd_minus_badam-blocks_loss", "bcd final val loss - badam-blocks'", "", None),
     ("bcd_over_recompute_seconds", "bcd seconds / bcd-recompute's (same visits)", "", None),
 ]  # fmt: skip
 
