@@ -389,17 +389,20 @@ def suggest(rows: list[dict]) -> str:
     cal = [r for r in rows if r["config"] != "calibrate"]
     b = lambda r: r["basis"]  # noqa: E731
     tok = [r for r in cal if path(r) == "trainer"]
-    alloc = mean((peak(r) - run["trainer"] - b(r)["static"]
-                  - host_io("token_read", b(r)["token_shard"])) / b(r)["act"] for r in tok)  # fmt: skip
-    out.append(f"CPU_ALLOC: {alloc:.2f} (now {CPU_ALLOC})")
     cache = [r for r in cal if path(r) == "trainer-cache"]
-    read = _line([b(r)["cache_buffer"] for r in cache],
-                 [peak(r) - run["trainer-cache"] - b(r)["static"] - alloc * b(r)["act"]
-                  - b(r)["grads"] for r in cache])  # fmt: skip
-    out.append(
-        f"HOST_IO cache_read: ({read[0] / MiB:.0f} * MiB, {read[1]:.2f}) (now {HOST_IO['cache_read']})"
-    )
+    if tok and cache and "trainer" in run and "trainer-cache" in run:  # --arms all
+        alloc = mean((peak(r) - run["trainer"] - b(r)["static"]
+                      - host_io("token_read", b(r)["token_shard"])) / b(r)["act"] for r in tok)  # fmt: skip
+        out.append(f"CPU_ALLOC: {alloc:.2f} (now {CPU_ALLOC})")
+        read = _line([b(r)["cache_buffer"] for r in cache],
+                     [peak(r) - run["trainer-cache"] - b(r)["static"] - alloc * b(r)["act"]
+                      - b(r)["grads"] for r in cache])  # fmt: skip
+        out.append(
+            f"HOST_IO cache_read: ({read[0] / MiB:.0f} * MiB, {read[1]:.2f}) (now {HOST_IO['cache_read']})"
+        )
     pre = [r for r in cal if "build" in r["arm"]]
+    if not pre or "preinfer" not in run:  # --arms trainer
+        return "\n".join(out)
     # calibration children run one shard per call (preinfer.shards_per_task=1): no overlap
     infer = mean((r["phases"]["compute"] - run["preinfer"] - b(r)["weights"] - 2 * b(r)["shard"]
                   - b(r)["inputs"]) / b(r)["work"] for r in pre)  # fmt: skip
@@ -452,6 +455,8 @@ def main(argv=None) -> dict | None:
         return None
     if args.rescore:
         rows = rescore(json.loads(Path(args.rescore).read_text()))
+        if args.calibrate:
+            print(suggest(rows))
         print(table(rows))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -463,6 +468,8 @@ def main(argv=None) -> dict | None:
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
         for name in names:
             rows += measure(name, Path(tmp), args.arms, args.repeats)
+    if args.json:  # the measurements first: they take the time
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.calibrate:
         print(suggest(rows))
     print(table(rows))

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from preinfer.cache_identity import visit_budget
+from preinfer.device import compute_dtype
 from preinfer.model_shape import ModelShape
 from preinfer.partition import partition_layers
 from storage.dataset import buffer_rows
@@ -173,6 +174,9 @@ class Setup:
     """Rows of stored cache values the trainer's shuffle buffer holds (bcd K > 0)."""
     val_rows: int = 0
     cache_dtype_bytes: int = 2
+    compute_bytes: int = 0
+    """Bytes per value the prefix forward computes in (preinfer.compute_dtype as resolved for
+    the target; 0: the cache dtype's float width)."""
     shard_rows: int = 1
     """Rows per cache shard the pre-inference worker computes and encodes at once."""
     token_rows: int = 4096
@@ -323,9 +327,11 @@ def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool
     blocks = [block - 1] if refresh else list(range(block))
     n = sum(part.block_params[b] for b in blocks)
     cb = p.cache_dtype_bytes if p.cache_dtype_bytes in (2, 4) else 4  # int8/fp8: fp32 compute
-    work = p.micro_batch * p.seq * infer_act(sh) * cb
+    # a bf16 cache computed in fp32 where bf16 is slow (a CPU without AMX): fp32 weights and work
+    wb = p.compute_bytes or cb
+    work = p.micro_batch * p.seq * infer_act(sh) * wb
     shard = p.shard_rows * p.seq * sh.hidden * cb
-    phases = {"compute": dict(weights=cb * n, activations=work)}
+    phases = {"compute": dict(weights=wb * n, activations=work)}
     if cpu:  # outputs (list, then concatenated), the encode and the inputs: host RAM
         # a refresh's input: the source shard's stored values (n, S, H), a view in the cache
         # dtype; a build's: token ids (n, S) int64. Pipelined: the next shard's input too.
@@ -334,18 +340,19 @@ def preinfer_memory(sh: ModelShape, part, block: int, p: Setup, *, refresh: bool
         write = shard + host_io("cache_write", shard)  # the shard being encoded and written
         big = sh.max_tensor if 0 in blocks else sh.max_layer_tensor
         phases = {
-            "compute": dict(weights=cb * n, activations=CPU_INFER * work,
+            "compute": dict(weights=wb * n, activations=CPU_INFER * work,
                             shard=2 * shard + inputs + (write if p.pipelined else 0)),
-            "encode": dict(weights=cb * n, shard=write + inputs),
+            "encode": dict(weights=wb * n, shard=write + inputs),
         }  # fmt: skip
     if cpu:  # fp32 from the file, cast tensor by tensor: + the cast copy of the largest one
-        phases["load"] = dict(weights=4 * n + cb * big, runtime=RUNTIME[("cpu", "load")])
+        cast = 0 if wb == 4 else wb * big
+        phases["load"] = dict(weights=4 * n + cast, runtime=RUNTIME[("cpu", "load")])
     run = RUNTIME[("cpu" if cpu else "gpu", "preinfer-refresh" if refresh else "preinfer")]
     name, comp = _worst(phases, ("weights", "activations", "shard"), run)
     return {"stage": f"pre-inference {'refresh' if refresh else 'build'} -> boundary {block}",
             "block": block, "refresh": refresh, "phase": name, "peak": sum(comp.values()),
             "components": comp, "prefix_params": n,
-            "basis": {"weights": cb * n, "work": work, "shard": shard, "inputs": inputs if cpu else 0,
+            "basis": {"weights": wb * n, "work": work, "shard": shard, "inputs": inputs if cpu else 0,
                       "pipelined": p.pipelined,
                       "load": phases["load"]["weights"] if cpu else 0}}  # fmt: skip
 
@@ -410,11 +417,14 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
     if budget is not None and budget.visit_rows * row_bytes <= cfg.train.shuffle_buffer_mb * 2**20:
         buf_rows = max(buf_rows, budget.visit_rows)  # a window that fits is read whole, per rank
     val_rows = rps if n_val is None else min(rps, n_val)
+    device = "cuda" if target == "gpu" else "cpu"  # a CPU target: this machine's capability
+    prefix = compute_dtype(cfg.preinfer.compute_dtype, cfg.cache.dtype, device)
     opt = optimizer or cfg.train.optimizer
     return Setup(precision=precision, optimizer=opt, momentum=cfg.train.momentum != 0,
                  batch=b, seq=S, target=target, act_recompute=act_recompute, world=cards,
                  reader_rows=buf_rows, val_rows=max(val_rows, min(B, n_val or B)),
                  cache_dtype_bytes=stored_dtype(cfg.cache.dtype).itemsize, shard_rows=tr_rows,
+                 compute_bytes=4 if prefix.compute == "fp32" else 2,
                  token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
                  micro_batch=cfg.preinfer.micro_batch,
                  loss_chunk=cfg.train.loss_chunk, pipelined=pipelined)  # fmt: skip

@@ -280,7 +280,8 @@ def test_step_times_come_from_metrics_when_the_run_has_them(tiny_run):
 def test_cpu_phases_follow_what_the_process_holds(tmp_path):
     """On CPU the eval of a cache-fed block lands on what backward left resident (+ the val
     reader); loading holds the weights alone, and a pre-inference worker's load the fp32
-    weights plus one cast copy of its largest tensor."""
+    weights plus, where it computes in bf16, one cast copy of its largest tensor (a bf16 cache
+    computed in fp32, as on a CPU without AMX: fp32 weights and work, no copy)."""
     cfg = load_config(ROOT / "configs" / "demo.yaml", [f"run.dir={tmp_path}"])
     sh = model_shape(cfg.model)
     part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
@@ -293,9 +294,18 @@ def test_cpu_phases_follow_what_the_process_holds(tmp_path):
         per * (r["basis"]["val_buffer"] - back["basis"]["val_buffer"])
     )
     assert back["peak"] > back["components"]["activations"] + back["components"]["reader"]
-    pre = memory.preinfer_memory(sh, part, 1, p)
     n = part.block_params[0]
-    assert pre["basis"]["load"] == 4 * n + 2 * sh.max_tensor  # bf16 cache: a bf16 cast copy
+    pre = {}
+    for dt in ("bf16", "fp32"):
+        c = load_config(ROOT / "configs" / "demo.yaml", [f"preinfer.compute_dtype={dt}"])
+        q = memory.setup_for(c, sh, target="cpu", n_train=11773, n_val=1142)
+        assert q.compute_bytes == {"bf16": 2, "fp32": 4}[dt] and q.cache_dtype_bytes == 2
+        pre[dt] = memory.preinfer_memory(sh, part, 1, q)
+    assert pre["bf16"]["basis"]["load"] == 4 * n + 2 * sh.max_tensor  # a bf16 cast copy
+    assert pre["fp32"]["basis"]["load"] == 4 * n
+    assert pre["fp32"]["basis"]["weights"] == 2 * pre["bf16"]["basis"]["weights"] == 4 * n
+    assert pre["fp32"]["basis"]["work"] == 2 * pre["bf16"]["basis"]["work"]
+    assert pre["fp32"]["basis"]["shard"] == pre["bf16"]["basis"]["shard"]  # stored bf16 either way
     gpu = memory.trainer_memory(sh, part, "bcd", 2, memory.setup_for(cfg, sh, target="gpu"))
     assert gpu["phase"] != "load"
 
