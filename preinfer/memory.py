@@ -79,10 +79,11 @@ OPT_TEMP = {"cpu": {"sgd": 1, "adam": 0, "adamw": 0}, "gpu": {"sgd": 1, "adam": 
 RUNTIME = {
     ("cpu", "trainer"): 59 * MiB,
     ("cpu", "trainer-cache"): 55 * MiB,
-    ("cpu", "preinfer"): 53 * MiB,
+    ("cpu", "preinfer"): 47 * MiB,
     # a refresh reads no token store: a build's token reads alone leave ~45 MiB resident
-    # (Arrow/Parquet buffers and pools; llama-small, 8 MiB shards, fresh process, 2 arenas)
-    ("cpu", "preinfer-refresh"): 15 * MiB,
+    # (Arrow/Parquet buffers and pools; llama-small, 8 MiB shards, fresh process, 2 arenas);
+    # preinfer, preinfer-refresh and CPU_INFER re-fitted 2026-12-02 (docs/planner.md)
+    ("cpu", "preinfer-refresh"): 10 * MiB,
     # while weights load, before any compute (no thread pools, arenas or codec threads yet)
     ("cpu", "load"): 4 * MiB,
     ("gpu", "trainer"): 768 * MiB,
@@ -91,7 +92,7 @@ RUNTIME = {
     ("gpu", "preinfer-refresh"): 768 * MiB,
 }
 CPU_ALLOC = 1.42
-CPU_INFER = 1.78
+CPU_INFER = 1.52
 HOST_IO = {
     "token_read": (0, 6.5),  # one token-store shard (data.shard_rows x (S+1) int32), Parquet
     # the reader's stored rows (shuffle buffer + the shard being read): 1.0 by hand — the
