@@ -50,7 +50,7 @@ counts response tokens only) and one init checkpoint serve every arm. Arms:
                  transformer ("all-linear"), AdamW, one warmup + cosine over the run
 
 Every arm reads the same batches: the HF arms read, for visit (round r, block k), the batches
-bcd-recompute (and bcd's block 0) reads (preinfer.trainer.TokenBatches over the round's sampled
+bcd-recompute (and bcd's block 0) reads (preinfer.batches.TokenBatches over the round's sampled
 rows, preinfer.cache_identity.sample_indices / row_order, seeded per visit); bcd's later
 blocks read the same rows from the cache. Same steps in every arm (rounds x M x steps per
 visit), batch, weight decay 1e-5, gradient clipping 1.0, fp32 (BAdam expects bf16 weights and
@@ -178,7 +178,8 @@ def render(res: dict) -> str:
             continue
         m = s["median"]
         met = "" if ok is None else ("n/a" if m is None else ("yes" if ok(m) else "NO"))
-        t.append((what, _fmt(m), f"[{_fmt(s['min'])}, {_fmt(s['max'])}]",
+        f = "{:+.4f}" if key.endswith("_loss") and key.startswith("bcd_minus") else "{:.3f}"
+        t.append((what, _fmt(m, f), f"[{_fmt(s['min'], f)}, {_fmt(s['max'], f)}]",
                   f"{s['n']}/{s['of']}", goal, met))  # fmt: skip
     sweep = [("arm", "lr", "seed", "final val loss", "train s", "peak RSS MiB", "load at start")]
     for r in res["runs"]:

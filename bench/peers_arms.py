@@ -21,15 +21,14 @@ import transformers as tf
 from bench.harness import load_average
 from bench.peers_data import FINETUNE, INSTALL, ROOT, eval_run, quiet
 from pipelines.bcd import load_state, run_bcd
+from preinfer.batches import TokenBatches, endless
 from preinfer.cache_identity import store_budget, visit_data_seed, visit_train_rows
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.loss import evaluate_tokens, lm_loss
 from preinfer.trainer import (
-    TokenBatches,
     TrainConfig,
     current_memory_mb,
-    endless,
     lr_at,
     peak_memory_mb,
     reset_peak_memory,

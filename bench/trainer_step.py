@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from preinfer.adapters import forward_blocks
+from preinfer.batches import CacheBatches
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_init import init_checkpoint
 from preinfer.config import load_config
@@ -36,7 +37,6 @@ from preinfer.device import resolve_device
 from preinfer.loss import blocks_loss, mode_loss
 from preinfer.partition import trainable_parameters
 from preinfer.trainer import (
-    CacheBatches,
     build_optimizer,
     current_memory_mb,
     peak_memory_mb,

@@ -34,7 +34,7 @@ from preinfer.cache_identity import visit_budget
 from preinfer.device import compute_dtype
 from preinfer.model_shape import ModelShape
 from preinfer.partition import partition_layers
-from storage.dataset import buffer_rows
+from storage.dataset import buffer_rows, reads_whole
 from storage.layout import rows_per_shard
 from storage.values import stored_dtype
 
@@ -409,14 +409,16 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
     budget = None if n_train is None else visit_budget(cfg, n_train, n_val or 0)
     n_tr = None if budget is None else budget.rows
     tr_rows = rps if n_tr is None else min(rps, n_tr)
-    # the trainer's shuffle buffer, as the reader sizes it (N unknown: the full budget)
+    # the trainer's shuffle buffer, as the reader sizes it for a visit's window of the round's
+    # rows (N unknown: the full budget); a window that fits it is read whole, on every rank
     row_bytes = S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize
+    mb = cfg.train.shuffle_buffer_mb
+    win = None if budget is None else budget.visit_rows
     buf_rows = buffer_rows(
-        row_bytes, rps, b,
-        None if n_tr is None else math.ceil(n_tr / cards), None, cfg.train.shuffle_buffer_mb,
+        row_bytes, rps, b, None if win is None else math.ceil(win / cards), None, mb
     )  # fmt: skip
-    if budget is not None and budget.visit_rows * row_bytes <= cfg.train.shuffle_buffer_mb * 2**20:
-        buf_rows = max(buf_rows, budget.visit_rows)  # a window that fits is read whole, per rank
+    if win is not None and reads_whole(win, row_bytes, mb):
+        buf_rows = win
     val_rows = rps if n_val is None else min(rps, n_val)
     device = "cuda" if target == "gpu" else "cpu"  # a CPU target: this machine's capability
     prefix = compute_dtype(cfg.preinfer.compute_dtype, cfg.cache.dtype, device)

@@ -24,6 +24,7 @@ import torch
 
 from core import faults
 from core.config import ConfigError
+from preinfer.batches import CacheBatches, CacheWindow, TokenBatches, endless
 from preinfer.cache_identity import (
     boundary_rows,
     boundary_visits,
@@ -43,12 +44,8 @@ from preinfer.optim_state import SEP, load_optimizer_tensors, optimizer_tensors
 from preinfer.partition import trainable_named_parameters
 from preinfer.prefix import forward_prefix
 from preinfer.trainer import (
-    CacheBatches,
-    CacheWindow,
-    TokenBatches,
     build_optimizer,
     current_memory_mb,
-    endless,
     lr_at,
     peak_memory_mb,
     reset_peak_memory,

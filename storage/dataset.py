@@ -174,6 +174,12 @@ class CacheDataset(torch.utils.data.IterableDataset):
         return len(rest)
 
 
+def reads_whole(rows: int, row_bytes: int, mb: float) -> bool:
+    """Whether `rows` stored rows of `row_bytes` fit a shuffle buffer of `mb` MB: a reader
+    then holds them all (preinfer.batches.CacheBatches draws its batches from them)."""
+    return rows * row_bytes <= mb * 2**20
+
+
 def buffer_rows(
     row_bytes: int,
     rows_per_shard: int,

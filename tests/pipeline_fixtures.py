@@ -79,10 +79,13 @@ def tiny_run(tiny_base, tmp_path):
     return make
 
 
-def write_small_cache(root, fp: str, N: int = 24, S: int = 8, H: int = 16) -> None:
-    """A complete 3-shard bf16 cache <root>/<fp> (root local or s3://) of seeded values."""
+def write_small_cache(
+    root, fp: str, N: int = 24, S: int = 8, H: int = 16, row_labels: bool = False
+) -> None:
+    """A complete 3-shard bf16 cache <root>/<fp> (root local or s3://) of seeded values; with
+    row_labels, row i's labels are all i (a batch's labels name its rows), else zeros."""
     c = CacheConfig(dtype="bf16", codec="zstd", shuffle="none", shard_mb=8 * S * H * 2 / 2**20)
-    ids = np.zeros((N, S), int)
+    ids = np.repeat(np.arange(N)[:, None], S, 1) if row_labels else np.zeros((N, S), int)
     w = CacheWriter.create(
         root, fp, samples=(np.arange(N), ids, ids), seq_len=S, hidden_size=H, cache_cfg=c,
         meta={"boundary": 1, "split": "train"},

@@ -19,6 +19,7 @@ from core import faults
 from core.config import ConfigError
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import source_rows
+from preinfer.batches import CacheBatches, CacheWindow, TokenBatches
 from preinfer.cache_identity import (
     CachePlan,
     boundary_rows,
@@ -28,7 +29,6 @@ from preinfer.cache_identity import (
     visit_window,
 )
 from preinfer.config import load_config
-from preinfer.trainer import CacheBatches, CacheWindow, TokenBatches
 from preinfer.visit import VisitHooks
 from storage.dataset import CacheDataset
 from storage.reader import open_cache
@@ -267,7 +267,7 @@ def test_shuffled_cache_visits_read_recomputes_batches_step_for_step(tiny_run, t
 def test_a_cache_past_the_shuffle_buffer_streams_in_shard_order(tmp_path):
     """CacheBatches reads a cache larger than its buffer through CacheDataset (every row once
     per epoch, in another order than TokenBatches'), one that fits in TokenBatches' order."""
-    write_small_cache(tmp_path, "c" * 64, N=24)  # 3 shards of 8 rows
+    write_small_cache(tmp_path, "c" * 64, N=24, row_labels=True)  # 3 shards of 8 rows
     cache = open_cache(tmp_path, "c" * 64)
     row_mb = cache.seq_len * cache.hidden_size * 2 / 2**20
     whole = CacheBatches(cache, batch_size=4, seed=3, buffer_mb=24 * row_mb)
@@ -279,6 +279,15 @@ def test_a_cache_past_the_shuffle_buffer_streams_in_shard_order(tmp_path):
     streamed = torch.cat([x for x, _ in stream.epoch(1)])
     key = lambda t: sorted(t[:, 0, 0].tolist())  # noqa: E731 - a row's first value names it
     assert key(streamed) == key(rows) and not torch.equal(streamed, want)
+    for batches in (whole, stream):  # each row's labels stay with its values: labels = row id
+        for x, lab in batches.epoch(2):
+            assert torch.equal(x, rows[lab[:, 0]]) and bool((lab == lab[:, :1]).all())
+    # DDP: rank r of 2 gets TokenBatches' rank r rows of each global batch, as drawn
+    order = np.random.default_rng([3, 1]).permutation(24)
+    for r in (0, 1):
+        ranked = CacheBatches(cache, batch_size=4, seed=3, rank=r, world=2, buffer_mb=24 * row_mb)
+        got = [lab[:, 0].tolist() for _, lab in ranked.epoch(1)]
+        assert got == [order[s * 4 : (s + 1) * 4][r::2].tolist() for s in range(6)]
     x, _ = next(iter(whole.epoch(0)))
     assert x.dtype == torch.float32 and x.shape == (4, cache.seq_len, cache.hidden_size)
 
