@@ -103,6 +103,29 @@ def read_rows(record):
     return VisitHooks(batches=batches)
 
 
+def cached_and_recomputed(tiny_run, tmp_path, sets, hooks):
+    """The same rotation from its caches and recomputing its prefix (a copy of the run dir),
+    each visit's record (`hooks(record)`) in got and ref: (cached cfg, recompute cfg, got, ref)."""
+    cached = tiny_run(*sets, "cache.keep=true")
+    other = tmp_path / "recompute"
+    shutil.copytree(tmp_path / "run", other)
+    recompute = tiny_cfg(other, *sets, "train.mode=bcd-recompute")
+    got, ref = {}, {}
+    run_bcd(cached, log=quiet, hooks=hooks(got))
+    run_bcd(recompute, log=quiet, hooks=hooks(ref))
+    assert got.keys() == ref.keys() and len(got) == 6
+    return cached, recompute, got, ref
+
+
+def assert_weights_match(cached, recompute):
+    """Same tolerance as tests/test_rotation_order.py."""
+    from tests.test_rotation_order import weights
+
+    w_cache, w_ref = weights(cached), weights(recompute)
+    for name in w_cache:
+        torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("visits", [3, 2.5])
 def test_visits_of_a_round_read_different_rows(tiny_run, tmp_path, visits):
     """cache_visits 3: three disjoint windows of 24 rows; 2.5 (60 rows): the third wraps to the
@@ -140,11 +163,7 @@ def test_visits_of_a_round_read_different_rows(tiny_run, tmp_path, visits):
              open_cache(cached.cache.root, e["fingerprints"]["train"]).num_samples)
             for e in state["events"] if e["round"] == 1]  # fmt: skip
     assert held == [("built", 1, 48), ("refreshed", 2, 24)]
-    from tests.test_rotation_order import weights
-
-    w_cache, w_ref = weights(cached), weights(recompute)
-    for name in w_cache:
-        torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert_weights_match(cached, recompute)
 
 
 def test_a_boundary_holds_the_windows_of_the_visits_it_serves():
@@ -197,25 +216,14 @@ def test_windowed_caches_train_as_recompute_in_every_order(tiny_run, tmp_path, o
     holds the windows of the visits it serves, and a visit from the cache reads the rows, and
     trains to the weights, of rerunning the prefix."""
     sets = (*ROWS, "train.cache_visits=3", "train.rounds=2", f"train.order={order}", *FAST)
-    cached = tiny_run(*sets, "cache.keep=true")
-    other = tmp_path / "recompute"
-    shutil.copytree(tmp_path / "run", other)
-    recompute = tiny_cfg(other, *sets, "train.mode=bcd-recompute")
-    got, ref = {}, {}
-    run_bcd(cached, log=quiet, hooks=read_rows(got))
-    run_bcd(recompute, log=quiet, hooks=read_rows(ref))
-    assert got.keys() == ref.keys() and len(got) == 6
+    cached, recompute, got, ref = cached_and_recomputed(tiny_run, tmp_path, sets, read_rows)
     for key in got:
         assert np.array_equal(got[key], ref[key]), key
     state = json.loads(Path(cached.run.dir, "state.json").read_text())
     sizes = {open_cache(cached.cache.root, fp).num_samples
              for e in state["events"] for fp in [e["fingerprints"]["train"]]}  # fmt: skip
     assert max(sizes) < 72  # no boundary holds all three windows
-    from tests.test_rotation_order import weights
-
-    w_cache, w_ref = weights(cached), weights(recompute)
-    for name in w_cache:
-        torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert_weights_match(cached, recompute)
 
 
 class Recorded:
@@ -244,24 +252,13 @@ def test_shuffled_cache_visits_read_recomputes_batches_step_for_step(tiny_run, t
     (two epochs of its window: max_steps 6 over 24 rows), and trains to its weights."""
     sets = ("train.epochs=1", "train.max_steps=6", "train.cache_visits=3", "train.rounds=2",
             f"train.order={order}", *FAST)  # fmt: skip
-    cached = tiny_run(*sets, "cache.keep=true")
-    other = tmp_path / "recompute"
-    shutil.copytree(tmp_path / "run", other)
-    recompute = tiny_cfg(other, *sets, "train.mode=bcd-recompute")
-    got, ref = {}, {}
-    run_bcd(cached, log=quiet, hooks=record_batches(got))
-    run_bcd(recompute, log=quiet, hooks=record_batches(ref))
-    assert got.keys() == ref.keys() and len(got) == 6
+    cached, recompute, got, ref = cached_and_recomputed(tiny_run, tmp_path, sets, record_batches)
     for key in got:
         assert len(got[key]) == len(ref[key]) == 6
         for step, (a, b) in enumerate(zip(got[key], ref[key], strict=True)):
             assert torch.equal(a, b), (key, step)
         assert not torch.equal(got[key][0], got[key][3])  # the second epoch: another order
-    from tests.test_rotation_order import weights
-
-    w_cache, w_ref = weights(cached), weights(recompute)
-    for name in w_cache:
-        torch.testing.assert_close(w_cache[name], w_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert_weights_match(cached, recompute)
 
 
 def test_a_cache_past_the_shuffle_buffer_streams_in_shard_order(tmp_path):
