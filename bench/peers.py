@@ -14,6 +14,9 @@
         # with full's grid moved up one step
     python -m bench.peers --arms bcd --lrs bcd=3e-4 --cache-dtype fp32   # bcd with caches that
         # hold the prefix's fp32 hidden states (the cache's rounding, against bcd-recompute)
+    python -m bench.peers --arms bcd badam-blocks full --bcd-set model.tie_embeddings=false \
+        --bcd-set train.always_train=[head]   # bcd with the tied head untied for training and
+        # trained in every visit (its own init checkpoint); the other arms as they are
     python -m bench.peers --work runs/peers --jobs 2 --resume   # two arms at a time (each arm
         # then shares the machine with another: the load is recorded per run); --resume reuses
         # every run whose record <work>/runs/*.json the same settings made (a stopped bench
@@ -237,6 +240,9 @@ def main(argv=None) -> dict:
         choices=["bf16", "fp16", "fp32"],
         help="cache.dtype of the bcd arm (default bf16)",
     )
+    ap.add_argument("--bcd-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of the bcd arms only (repeatable), e.g. "
+                         "model.tie_embeddings=false, train.always_train=[head]")  # fmt: skip
     ap.add_argument("--sweep", action="store_true",
                     help="the full form's 3 lrs per arm at this scale (e.g. with --quick)")  # fmt: skip
     ap.add_argument("--lrs", action="append", default=[], metavar="ARM=LR,LR,...",
@@ -264,6 +270,10 @@ def main(argv=None) -> dict:
                     ("cache_dtype", a.cache_dtype)):  # fmt: skip
         if v is not None:
             setattr(sc, name, v)
+    for item in a.bcd_set:
+        if "=" not in item:
+            ap.error(f"--bcd-set {item!r}: give KEY=VALUE, e.g. train.always_train=[head]")
+    sc.bcd_set = list(a.bcd_set)
     sc.lrs = dict(FULL.lrs if a.sweep else sc.lrs)  # a copy: the preset's own dict stays
     for item in a.lrs:
         arm, _, grid = item.partition("=")
@@ -298,9 +308,12 @@ def main(argv=None) -> dict:
 
     def one(arm: str, lr: float, seed: int) -> dict:
         name = f"{arm}-lr{lr:g}-s{seed}"
-        spec = {"arm": arm, "lr": lr, "seed": seed, "overrides": prep["common"], "M": sc.M,
-                "init": prep["init"], "model_dir": prep["model_dir"],
-                "initial_loss": prep["initial_loss"], "blocks": prep["blocks"],
+        mine = arm.startswith("bcd")  # bcd, bcd-recompute: with --bcd-set's overrides
+        spec = {"arm": arm, "lr": lr, "seed": seed, "M": sc.M, "model_dir": prep["model_dir"],
+                "overrides": [*prep["common"], *(prep["bcd_set"] if mine else [])],
+                "init": prep["bcd_init" if mine else "init"],
+                "initial_loss": prep["bcd_initial_loss" if mine else "initial_loss"],
+                "blocks": prep["blocks"],
                 "eval_batches": sc.eval_batches, "threads": a.threads, "keep": a.keep,
                 "inline": a.inline, "run_dir": str(work / "runs" / name)}  # fmt: skip
         # what makes a run's result: a record made by another spec is not reused

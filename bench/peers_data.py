@@ -58,6 +58,9 @@ class Scale:
     cache_dtype: str = "bf16"
     """cache.dtype of the bcd arm: what its boundary caches store (fp32: the prefix's hidden
     states as bcd-recompute computes them)."""
+    bcd_set: list[str] = field(default_factory=list)
+    """Config overrides (KEY=VALUE) of the bcd arms only, e.g. model.tie_embeddings=false
+    train.always_train=[head]; model.* keys give the bcd arms an init checkpoint of their own."""
     warmup_steps: int = 5
     """Linear warmup steps at the start of the run (bcd: of its rotation, train.schedule=run)."""
     eval_batches: int = 4
@@ -205,11 +208,23 @@ def prepare(sc: Scale, work: Path, model: str, log=print) -> dict:
     if budget.n_val < need:
         raise SystemExit(f"{budget.n_val} val rows, fewer than the {need} an evaluation reads")
     initial = eval_run(prep, sc.eval_batches)
+    bcd_init, bcd_initial = work / "init", initial
+    model_set = [x for x in sc.bcd_set if x.startswith("model.")]
+    if model_set:
+        bcd_init = (
+            work / f"init-bcd-{hashlib.sha256(chr(10).join(model_set).encode()).hexdigest()[:8]}"
+        )
+        ov = [*common, *model_set, f"run.dir={work / 'prep'}", f"run.checkpoint={bcd_init}"]
+        if not (bcd_init / "checkpoint.json").is_file():
+            run_init(load_config(FINETUNE, ov), log=quiet)
+        bcd_initial = eval_run(ov, sc.eval_batches)
     part = Checkpoint.open(work / "init").partition
     log(f"  prepared in {time.perf_counter() - t:.0f}s: {len(pairs)} pairs (sha256 {sha[:12]}), "
         f"{budget.n_train} train / {budget.n_val} val rows of S={sc.seq_len}; blocks "
-        f"{part.blocks}; visit: {budget.why}; initial val loss {initial:.4f}")  # fmt: skip
+        f"{part.blocks}; visit: {budget.why}; initial val loss {initial:.4f}"
+        + (f" (bcd's init, {' '.join(model_set)}: {bcd_initial:.4f})" if model_set else ""))  # fmt: skip
     return {"common": common, "model_dir": str(model_dir), "init": str(work / "init"),
+            "bcd_set": list(sc.bcd_set), "bcd_init": str(bcd_init), "bcd_initial_loss": bcd_initial,
             "pairs_sha256": sha, "initial_loss": initial, "budget": budget.why,
             "n_train": budget.n_train, "n_val": budget.n_val, "blocks": part.blocks,
             "block_params": part.block_params}  # fmt: skip

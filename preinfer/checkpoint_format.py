@@ -293,6 +293,8 @@ def _make_index(model_cfg: ModelConfig, model: nn.Module, adapter: Adapter, part
             "checkpoint": info.get("checkpoint"),
             "fresh": sorted({tied.get(n, n) for n in info.get("fresh", [])}),
             "unused": list(info.get("unused", [])),
+            # model.tie_embeddings false on a tied checkpoint: the head copied from the embedding
+            **({"untied": info["untied"]} if info.get("untied") else {}),
         },
     }
 

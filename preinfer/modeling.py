@@ -40,7 +40,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Rotary base (llama)."""
     tie_embeddings: bool = True
-    """Tie the LM head to the token embedding (gpt2 default; the tied tensor belongs to block 0)."""
+    """Tie the LM head to the token embedding (block 0's); false on a tied checkpoint unties it."""
     dropout: float = 0.0
     """Dropout in embeddings/attention/MLP (0 keeps cached and recomputed paths identical)."""
     init_seed: int = 0
@@ -182,6 +182,10 @@ def make_hf_config(cfg: ModelConfig):
             )
         for key in _DROPOUT_KEYS[cfg.arch]:
             setattr(hf, key, cfg.dropout)
+        if not cfg.tie_embeddings and getattr(hf, "tie_word_embeddings", False):
+            # untied for training: the head (block M-1's) can then train in every visit
+            # (train.always_train) without touching the embedding every cache was built from
+            hf.tie_word_embeddings = False
     else:
         kv = cfg.num_kv_heads
         if cfg.arch != "llama" and kv is not None and kv != cfg.num_heads:
@@ -370,7 +374,8 @@ def build_model(
     - model.checkpoint set: weights from that local HF dir; tensors the dir lacks (e.g. the MLM
       head of a BertModel checkpoint) are initialised deterministically from model.init_seed and
       listed in `model.init_info["fresh"]`; checkpoint tensors the model has no place for are
-      listed in `model.init_info["unused"]`;
+      listed in `model.init_info["unused"]`; model.tie_embeddings false on a tied checkpoint
+      gives the head its own copy of the embedding matrix (`model.init_info["untied"]` names it);
     - hf_config: build this stored architecture (checkpoint.json's HF config) instead of reading
       model.checkpoint; weights random (or meta), never read from disk;
     - device="meta": parameters on the meta device (no memory), buffers real on CPU; the
@@ -409,12 +414,18 @@ def build_model(
                     f"model.checkpoint {cfg.checkpoint!r}: tensors do not fit the architecture: "
                     f"{sorted(loading.get('mismatched_keys') or loading['error_msgs'])[:5]}"
                 )
-            info = {
-                "source": "pretrained",
-                "checkpoint": str(path),
-                "fresh": sorted(loading["missing_keys"]),
-                "unused": sorted(loading["unexpected_keys"]),
-            }
+            fresh = set(loading["missing_keys"])
+            info = {"source": "pretrained", "checkpoint": str(path), "untied": None}
+            head = model.get_output_embeddings()
+            if not cfg.tie_embeddings and head is not None:
+                name = next(n for n, p in model.named_parameters() if p is head.weight)
+                if name in fresh:  # a tied checkpoint stores the matrix once, as the embedding
+                    with torch.no_grad():
+                        head.weight.copy_(model.get_input_embeddings().weight)
+                    fresh.discard(name)
+                    info["untied"] = name
+            info["fresh"] = sorted(fresh)
+            info["unused"] = sorted(loading["unexpected_keys"])
         else:
             model = _hf_class(cfg.arch, hf.model_type)(hf)
     if hf is not None and model.config._attn_implementation != ATTN_IMPLEMENTATION:

@@ -23,6 +23,7 @@ from pipelines.tokenize import run_tokenize
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.export import export_hf
+from preinfer.optim_state import SEP
 from tests.pipeline_fixtures import quiet
 
 TEXT = "def greet(name):\n    return 'hello ' + name\n"
@@ -165,3 +166,53 @@ def test_an_input_tokenizer_changed_since_tokenize_is_refused(chat_run, tmp_path
         export_hf(Checkpoint.open(cfg.run.checkpoint), chat_run["store"].tokenizer_path,
                   tmp_path / "hf", hf_tokenizer=changed, hf_model=chat_run["user"])  # fmt: skip
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_tied_checkpoint_untied_for_training_trains_its_head_every_visit_and_exports_untied(
+    chat_run, tmp_path
+):
+    """model.tie_embeddings false on the tied chat model: the head starts as a copy of the
+    embedding (the same logits as the input model), sits in the last block, trains in every
+    visit with train.always_train [head] (block 0's embedding only in block 0's visit), and the
+    export is untied and reloads with the checkpoint's own logits."""
+    import transformers as tf
+
+    user = chat_run["user"]
+    cfg = load_config("configs/finetune.yaml", [
+        f"run.dir={tmp_path / 'run'}", "model.arch=llama", f"model.checkpoint={user}",
+        "model.tie_embeddings=false", f"data.tokenizer={user}", "data.max_documents=8",
+        "data.seq_len=16", "data.val_fraction=0.25", f"data.out_dir={chat_run['cfg'].data.out_dir}",
+        "cache.dtype=fp32", "preinfer.micro_batch=32", "partition.num_blocks=2",
+        "train.batch_size=8", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
+        "train.workers=0", "train.epochs=null", "train.always_train=[head]",
+    ])  # fmt: skip
+    run_init(cfg, log=quiet)
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    assert ckpt.tied == {} and ckpt.index["init"]["untied"] == "lm_head.weight"
+    assert ckpt.index["init"]["fresh"] == []
+    assert "lm_head.weight" in ckpt.index["blocks"][1]["tensors"]
+    ids = torch.tensor([[5, 9, 17, 33, 2, 40]])
+    orig = tf.AutoModelForCausalLM.from_pretrained(user, local_files_only=True,
+                                                   attn_implementation="sdpa").eval()  # fmt: skip
+    model, _ = ckpt.load(range(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, orig(ids).logits)
+    emb0 = orig.model.embed_tokens.weight.detach().clone()
+    res = run_bcd(cfg, log=quiet)
+    assert [v["cache"] for v in res["visits"]] == ["tokens", "built"]
+    steps = {k.rpartition(SEP)[0]: float(t) for k, t in
+             Checkpoint.open(cfg.run.checkpoint).optimizer_state(1)[1].items()
+             if k.endswith(f"{SEP}step")}  # fmt: skip
+    assert steps["lm_head.weight"] == 4 and steps["model.layers.3.mlp.up_proj.weight"] == 2
+    out = tmp_path / "hf"
+    assert run_export(cfg, str(out), log=quiet)["tied"] is False
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    hf = tf.AutoModelForCausalLM.from_pretrained(out, local_files_only=True,
+                                                 attn_implementation="sdpa").eval()  # fmt: skip
+    head, emb = hf.lm_head.weight.detach(), hf.model.embed_tokens.weight.detach()
+    assert head.data_ptr() != emb.data_ptr()
+    # both visits trained the head; the embedding trained in block 0's visit only, so they part
+    assert not torch.equal(head, emb) and not torch.equal(head, emb0)
+    model, _ = Checkpoint.open(cfg.run.checkpoint).load(range(2))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.eval()(ids).logits)

@@ -76,12 +76,42 @@ def test_every_arm_on_a_tiny_model_in_one_process(tmp_path, capsys):
     assert said.count("(--resume)") == 1  # bcd's
 
 
+def test_bcd_set_unties_the_bcd_arms_head_and_trains_it_in_every_visit(tmp_path):
+    """--bcd-set model.tie_embeddings=false --bcd-set train.always_train=[head]: the bcd arm gets
+    an init checkpoint of its own (the tiny model is tied: its head becomes a copy of the
+    embedding, the same function, so the same start loss) and trains the head in every visit;
+    the full arm runs the tied model as before."""
+    out, threads = tmp_path / "res.json", torch.get_num_threads()
+    try:
+        peers.main(["--quick", "--model", "tiny", "--inline", "--work", str(tmp_path / "w"),
+                    "--out", str(out), "--arms", "bcd", "full",
+                    "--bcd-set", "model.tie_embeddings=false",
+                    "--bcd-set", "train.always_train=[head]"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads(out.read_text())
+    prep = res["prep"]
+    assert prep["bcd_set"] == ["model.tie_embeddings=false", "train.always_train=[head]"]
+    assert prep["bcd_init"] != prep["init"]
+    assert math.isclose(prep["bcd_initial_loss"], prep["initial_loss"], rel_tol=1e-5)
+    by = {r["arm"]: r for r in res["runs"]}
+    assert "model.tie_embeddings=false" in by["bcd"]["made_by"]["overrides"]
+    assert "model.tie_embeddings=false" not in by["full"]["made_by"]["overrides"]
+    V, H = 400, 32  # the tiny model's vocabulary and width: the untied head's V x H matrix
+    full_params = by["full"]["trainable_params"][0]
+    # every visit trains its block and the head; the three visits together train the whole
+    # tied model once plus the head's own copy three times (and the final norm twice more)
+    assert sum(by["bcd"]["trainable_params"]) == full_params + 3 * V * H + 2 * H
+    assert by["bcd"]["final_loss"] < by["bcd"]["curve"][0]["loss"]
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
         (["--jobs", "0"], "--jobs must be >= 1"),
         (["--jobs", "2", "--inline"], "drop --inline or --jobs"),
         (["--resume"], "give --work"),
+        (["--bcd-set", "train.always_train"], "give KEY=VALUE"),
     ],
 )
 def test_bad_run_options_are_refused(args, says, capsys):
