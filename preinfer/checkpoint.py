@@ -294,7 +294,12 @@ class Checkpoint:
             "optimizer (its next commit drops the saved state)"
         )
         try:
-            tensors = load_safetensors(path.read_bytes())
+            if fs.is_url(path):
+                tensors = load_safetensors(path.read_bytes())
+            else:  # mapped, not read: a state as large as the block's weights is held once
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    names = f.keys()
+                    tensors = {n: f.get_tensor(n) for n in names}
         except FileNotFoundError:
             raise CheckpointError(
                 f"block {b}'s optimizer state file {path.name} is missing from {self.path}; {fix}"

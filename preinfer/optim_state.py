@@ -20,14 +20,16 @@ SEP = "::"
 def optimizer_tensors(
     opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]]
 ) -> dict[str, torch.Tensor]:
-    """The state `opt` holds for the (name, param) pairs, as CPU copies."""
+    """The state `opt` holds for the (name, param) pairs, on CPU: the optimizer's own tensors
+    where they are there (a commit writes them before the next step changes them; a copy would
+    double the state at the commit), copies from another device."""
     out = {}
     for name, p in named:
         for key, v in opt.state.get(p, {}).items():
             if v is None:  # SGD without momentum
                 continue
             t = v.detach() if torch.is_tensor(v) else torch.tensor(float(v))
-            out[f"{name}{SEP}{key}"] = t.to("cpu", copy=True).contiguous()
+            out[f"{name}{SEP}{key}"] = t.to("cpu").contiguous()
     return out
 
 
@@ -74,5 +76,6 @@ def load_optimizer_tensors(
                     f"{what}'s saved optimizer state {name}{SEP}{key} has shape "
                     f"{list(t.shape)}, the parameter {list(p.shape)}: {fresh}"
                 )
-            state[key] = t.to(p.device, p.dtype if t.is_floating_point() else t.dtype, copy=True)
+            # `saved` is this load's own (a file just read): no copy where device and dtype fit
+            state[key] = t.to(p.device, p.dtype if t.is_floating_point() else t.dtype)
         opt.state[p] = state

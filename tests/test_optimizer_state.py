@@ -51,6 +51,27 @@ def test_second_round_starts_from_the_saved_state(tiny_run):
     ckpt(cfg).verify()
 
 
+def test_the_state_is_held_once_on_cpu_when_it_is_committed_and_loaded(tiny_run):
+    """A commit writes the optimizer's own CPU tensors (a copy would double the moments, as
+    large as the block, at every commit), and a visit's optimizer takes the tensors just read
+    from the file rather than copying them again; the values are what the optimizer held."""
+    from preinfer.optim_state import load_optimizer_tensors, optimizer_tensors
+
+    cfg = tiny_run(*SHORT, KEEP)
+    visit(cfg, 1, 0).run(log=quiet)
+    v = visit(cfg, 1, 1)
+    opt = v.optimizer()
+    out = optimizer_tensors(opt, v.named[1])
+    for n, p in v.named[1]:
+        assert out[f"{n}::exp_avg"].data_ptr() == opt.state[p]["exp_avg"].data_ptr()
+    kind, saved = ckpt(cfg).optimizer_state(1)
+    fresh = torch.optim.AdamW([p for _, p in v.named[1]])
+    load_optimizer_tensors(fresh, v.named[1], saved, saved_by=kind, optimizer="adamw", what="b1")
+    for n, p in v.named[1]:
+        assert fresh.state[p]["exp_avg"].data_ptr() == saved[f"{n}::exp_avg"].data_ptr()
+        assert torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+
+
 def test_off_is_unchanged_and_the_state_never_moves_a_hash(tiny_run, tmp_path):
     off = tiny_run(*SHORT, OFF)
     shutil.copytree(off.run.dir, tmp_path / "on")
