@@ -234,6 +234,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--steps", type=int, default=None, help="steps per block visit")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="M: blocks of the rotation, and of badam-blocks' block list (default 3)")  # fmt: skip
     ap.add_argument(
         "--cache-dtype",
         default=None,
@@ -267,7 +269,7 @@ def main(argv=None) -> dict:
         return {}
     sc = dataclasses.replace(TINY if a.model == "tiny" else QUICK if a.quick else FULL)
     for name, v in (("seeds", a.seeds), ("steps_per_visit", a.steps), ("rounds", a.rounds),
-                    ("cache_dtype", a.cache_dtype)):  # fmt: skip
+                    ("M", a.blocks), ("cache_dtype", a.cache_dtype)):  # fmt: skip
         if v is not None:
             setattr(sc, name, v)
     for item in a.bcd_set:
@@ -285,6 +287,8 @@ def main(argv=None) -> dict:
             ap.error(f"--lrs {item!r}: the lrs must be numbers, e.g. {arm}=1e-4,3e-4")
     if "bcd" not in a.arms:
         raise SystemExit("--arms must include bcd: every target is a ratio to it")
+    if a.blocks is not None and a.blocks < 1:
+        ap.error(f"--blocks must be >= 1 blocks, got {a.blocks}")
     if a.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {a.jobs}")
     if a.jobs > 1 and a.inline:

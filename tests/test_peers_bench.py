@@ -105,12 +105,31 @@ def test_bcd_set_unties_the_bcd_arms_head_and_trains_it_in_every_visit(tmp_path)
     assert by["bcd"]["final_loss"] < by["bcd"]["curve"][0]["loss"]
 
 
+def test_blocks_sets_the_rotation_and_badam_blocks_block_list(tmp_path):
+    """--blocks 4: bcd rotates over 4 blocks (4 visits, a curve point after each) and
+    badam-blocks switches over the same 4 blocks, in the same steps."""
+    out, threads = tmp_path / "res.json", torch.get_num_threads()
+    try:
+        peers.main(["--quick", "--model", "tiny", "--inline", "--work", str(tmp_path / "w"),
+                    "--out", str(out), "--arms", "bcd", "badam-blocks", "--blocks", "4"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads(out.read_text())
+    assert res["scale"]["M"] == 4 and len(res["prep"]["blocks"]) == 4
+    by = {r["arm"]: r for r in res["runs"]}
+    steps = 4 * res["scale"]["steps_per_visit"]
+    for arm in ("bcd", "badam-blocks"):
+        assert by[arm]["steps"] == steps and len(by[arm]["curve"]) == 4 + 1, arm
+    assert len(by["badam-blocks"]["blocks"]) == 4
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
         (["--jobs", "0"], "--jobs must be >= 1"),
         (["--jobs", "2", "--inline"], "drop --inline or --jobs"),
         (["--resume"], "give --work"),
+        (["--blocks", "0"], "--blocks must be >= 1"),
         (["--bcd-set", "train.always_train"], "give KEY=VALUE"),
     ],
 )
