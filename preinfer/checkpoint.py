@@ -70,6 +70,23 @@ from preinfer.partition import (
 from storage import fs
 
 
+def _read_file(path: Path, names: list[str] | None = None) -> tuple[set[str], dict]:
+    """(every tensor name in the safetensors file at `path`, its tensors named in `names`, all
+    when None, on CPU). An object store is read in one GET; a local file is mapped, not read,
+    so a file as large as a block is held once. Raises FileNotFoundError, SafetensorError."""
+    if fs.is_url(path):
+        tensors = load_safetensors(path.read_bytes())
+        have = set(tensors)
+        names = list(tensors) if names is None else names
+        return have, {n: tensors[n] for n in names if n in have}
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        have = set(f.keys())
+        names = list(f.keys()) if names is None else names
+        return have, {n: f.get_tensor(n) for n in names if n in have}
+
+
 class Checkpoint:
     """An opened checkpoint directory (read the index; tensors are read by `load`)."""
 
@@ -196,39 +213,23 @@ class Checkpoint:
     def _read(self, b: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of block b's file (all, or only `names`), read on CPU."""
         path = self.block_file(b)
-        missing = CheckpointError(
-            f"block {b}'s file {path.name} is missing from {self.path}; the checkpoint is "
-            "damaged (restore it or re-create it with `preinfer init --force`)"
-        )
         want = names if names is not None else self.index["blocks"][b]["tensors"]
-        if fs.is_url(path):
-            try:
-                tensors = load_safetensors(path.read_bytes())
-            except FileNotFoundError:
-                raise missing from None
-            except SafetensorError as e:
-                raise CheckpointError(f"block {b}'s file {path.name} is unreadable: {e}") from None
-            lacking = [n for n in want if n not in tensors]
-            if lacking or (names is None and set(tensors) != set(want)):
-                raise CheckpointError(
-                    f"block {b}'s file {path.name} does not hold the tensors checkpoint.json "
-                    f"lists (missing {lacking[:3]}); the file was replaced or damaged"
-                )
-            return {n: tensors[n] for n in want}
-        if not path.is_file():
-            raise missing
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                have = set(f.keys())
-                missing = [n for n in want if n not in have]
-                if missing or (names is None and have != set(want)):
-                    raise CheckpointError(
-                        f"block {b}'s file {path.name} does not hold the tensors checkpoint.json "
-                        f"lists (missing {missing[:3]}); the file was replaced or damaged"
-                    )
-                return {n: f.get_tensor(n) for n in want}
+            have, tensors = _read_file(path, want)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"block {b}'s file {path.name} is missing from {self.path}; the checkpoint is "
+                "damaged (restore it or re-create it with `preinfer init --force`)"
+            ) from None
         except SafetensorError as e:
             raise CheckpointError(f"block {b}'s file {path.name} is unreadable: {e}") from None
+        lacking = [n for n in want if n not in have]
+        if lacking or (names is None and have != set(want)):
+            raise CheckpointError(
+                f"block {b}'s file {path.name} does not hold the tensors checkpoint.json "
+                f"lists (missing {lacking[:3]}); the file was replaced or damaged"
+            )
+        return tensors
 
     def _read_block(self, b: int) -> dict[str, torch.Tensor]:
         tensors = self._read(b)
@@ -294,12 +295,7 @@ class Checkpoint:
             "optimizer (its next commit drops the saved state)"
         )
         try:
-            if fs.is_url(path):
-                tensors = load_safetensors(path.read_bytes())
-            else:  # mapped, not read: a state as large as the block's weights is held once
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    names = f.keys()
-                    tensors = {n: f.get_tensor(n) for n in names}
+            _, tensors = _read_file(path)
         except FileNotFoundError:
             raise CheckpointError(
                 f"block {b}'s optimizer state file {path.name} is missing from {self.path}; {fix}"
