@@ -34,6 +34,7 @@ from preinfer.cache_identity import visit_budget
 from preinfer.device import compute_dtype
 from preinfer.model_shape import ModelShape
 from preinfer.partition import partition_layers
+from preinfer.suffix import adapter_linear_dims
 from storage.dataset import buffer_rows, reads_whole
 from storage.layout import rows_per_shard
 from storage.values import stored_dtype
@@ -187,6 +188,10 @@ class Setup:
     """Tokens per chunk of the fused LM head + loss (train.loss_chunk); 0 = the plain loss."""
     pipelined: bool = True
     """A pre-inference worker call holds several shards (next input read, last one written)."""
+    suffix_rank: int = 0
+    """train.suffix_rank: LoRA adapters on the layers after the active block (bcd modes)."""
+    suffix_modules: str = "all"
+    """train.suffix_modules: which linears of those layers get one (all, attn, mlp)."""
 
 
 # bytes per logit of one chunk of the fused loss (preinfer.loss): the fp32 logits that become
@@ -277,6 +282,17 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
     W, G = pr.weight * n_loaded, pr.grad * n_active
     opt = (optimizer_state_bytes(p) + pr.master) * n_active
     _, act, grads = _sweep(sh, layers, trainable, head_tr, matrix_tr, embed_tr, p)
+    # suffix adapters (fp32 A, B + grads + optimizer state) on every layer after block K; each
+    # adapted linear saves its input (for dA) and A x (for dB): (in + r) per token
+    n_sfx = act_sfx = 0
+    if p.suffix_rank and mode != "full" and block < M - 1:
+        dims = adapter_linear_dims(sh.arch, sh.hidden, sh.inter, sh.kv_dim, p.suffix_modules)
+        n_layers = part.num_layers - part.blocks[block][1]
+        n_sfx = n_layers * p.suffix_rank * sum(i + o for i, o in dims)
+        act_sfx = n_layers * p.batch * p.seq * sum(i + p.suffix_rank for i, _ in dims) * pr.act
+    W, G = W + 4 * n_sfx, G + 4 * n_sfx
+    opt += optimizer_state_bytes(p) * n_sfx
+    act, grads = act + act_sfx, grads + 4 * n_sfx
     T = p.batch * p.seq  # eval: logits (a chunk's when fused) + log-softmax, nothing saved
     ev = 2 * (min(p.loss_chunk, T) if p.loss_chunk else T) * sh.vocab * 4
     from_cache = mode == "bcd" and block > 0
@@ -314,7 +330,7 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
              "val_buffer": buf[1], "token_shard": tok, "load": W}  # fmt: skip
     return {"stage": "full" if mode == "full" else f"{mode} block {block}", "mode": mode,
             "block": block, "phase": name, "peak": sum(comp.values()), "components": comp,
-            "loaded_params": n_loaded, "active_params": n_active,
+            "loaded_params": n_loaded, "active_params": n_active, "suffix_params": n_sfx,
             "loaded_blocks": list(loaded_blocks), "basis": basis}  # fmt: skip
 
 
@@ -430,4 +446,6 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
                  compute_bytes=4 if prefix.compute == "fp32" else 2,
                  token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
                  micro_batch=cfg.preinfer.micro_batch,
-                 loss_chunk=cfg.train.loss_chunk, pipelined=pipelined)  # fmt: skip
+                 loss_chunk=cfg.train.loss_chunk, pipelined=pipelined,
+                 suffix_rank=cfg.train.suffix_rank,
+                 suffix_modules=cfg.train.suffix_modules)  # fmt: skip

@@ -16,6 +16,9 @@ from preinfer.device import autocast
 
 # The paper's defaults per optimizer: (lr, momentum, weight decay).
 PAPER_DEFAULTS = {"sgd": (0.1, 0.9, 1e-5), "adam": (1e-4, 0.0, 1e-5), "adamw": (1e-4, 0.0, 1e-5)}
+# train.suffix_lr null: the suffix adapters' peak lr = this x the block's (LoRA's best lr in our
+# bench was 10x bcd's)
+SUFFIX_LR_MULTIPLE = 10.0
 
 
 @dataclass(kw_only=True)
@@ -28,6 +31,14 @@ class TrainConfig:
     """Blocks per round (bcd modes; full ignores it): 0..M-1; M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's); random = a permutation per round seeded by (train.seed, round), as BAdam offers."""
     always_train: list[Literal["head"]] = dataclasses.field(default_factory=list)
     """Parts that train in every bcd visit besides its block: head = the final norm and an untied LM head (block M-1's; a tied head matrix stays block 0's), their optimizer state kept with block M-1's. They follow every cached prefix: no cache is invalidated."""
+    suffix_rank: int = 0
+    """bcd modes: rank r of LoRA adapters (W x + alpha/r B A x; B starts at 0) on the layer linears of blocks K+1..M-1 (train.suffix_modules; never the embedding or the LM head), trained in the same backward as block K and merged into those blocks at the visit's commit, as BREAD does; they follow block K, so no cache is invalidated. 0 = off; full ignores it (preinfer/suffix.py)."""
+    suffix_lr: float | None = None
+    """Peak learning rate of the suffix adapters (the block's warmup + cosine shape); null = 10 x the block's peak lr (train.lr, or its optimizer's default)."""
+    suffix_alpha: float | None = None
+    """LoRA scale numerator: the adapters add alpha / suffix_rank x B A; null = 2 x suffix_rank (scale 2)."""
+    suffix_modules: Literal["all", "attn", "mlp"] = "all"
+    """Which linears of the suffix blocks' layers get adapters: all; attn = attention's (q/k/v/o; GPT-2 c_attn + c_proj); mlp = the MLP's."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """Optimizer of the active block."""
     lr: float | None = None
@@ -88,6 +99,7 @@ class TrainConfig:
             "patience",
             "workers",
             "checkpoint_every",
+            "suffix_rank",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -104,8 +116,9 @@ class TrainConfig:
             raise ConfigError(f"train.always_train lists a part twice: {self.always_train}")
         if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
             raise ConfigError(f"train.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
-        if self.lr is not None and self.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        for name in ("lr", "suffix_lr", "suffix_alpha"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"train.{name} must be > 0 or null, got {getattr(self, name)}")
         if self.loss_chunk < 0:
             raise ConfigError(
                 f"train.loss_chunk must be >= 0 tokens (0 = unfused loss), got {self.loss_chunk}"
@@ -157,18 +170,30 @@ def visit_position(tc: TrainConfig, M: int, round_: int, block: int) -> int:
 # Optimisation
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[torch.nn.Parameter],
+    cfg: TrainConfig,
+    suffix: list[torch.nn.Parameter] | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer of `params` (group 0, at train.lr); suffix: the suffix adapters
+    (train.suffix_rank), a second group at train.suffix_lr. Each group's "lr_scale" is its peak
+    lr over the block's: train_step sets lr = the schedule's lr x lr_scale, one shape for both."""
     o = cfg.resolved_optim()
+    groups = [{"params": params, "lr_scale": 1.0}]
+    if suffix:
+        peak = cfg.suffix_lr if cfg.suffix_lr is not None else SUFFIX_LR_MULTIPLE * o["lr"]
+        groups.append({"params": suffix, "lr": peak, "lr_scale": peak / o["lr"]})
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
-            params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"]
+            groups, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"]
         )
     cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
     # the fused kernel: one pass over each tensor, no temporaries; on CPU 4-5x faster than the
     # default per-tensor loop (docs/economics.md), which holds 2-3 copies of the largest tensor
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    every = [p for g in groups for p in g["params"]]
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in every)
     return cls(
-        params, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"], fused=fused or None
+        groups, lr=o["lr"], betas=o["betas"], weight_decay=o["weight_decay"], fused=fused or None
     )
 
 
@@ -257,8 +282,8 @@ def train_step(
     loss_fn(x, labels) -> mean loss: x the batch's ids (B, S) or hidden (B, S, H), on `device`.
     lr: this step's learning rate; None = lr_at(step, cfg)."""
     x, labels = batch
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg) if lr is None else lr
+    for group in optimizer.param_groups:  # lr_scale: the group's peak over the block's
+        group["lr"] = (lr_at(step, cfg) if lr is None else lr) * group.get("lr_scale", 1.0)
     optimizer.zero_grad(set_to_none=True)
     with autocast(device, precision):
         loss = loss_fn(x.to(device), labels.to(device))

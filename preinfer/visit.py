@@ -6,6 +6,8 @@ Modes (same data, same schedule, so the three are comparable):
   bcd-recompute  as bcd, but blocks 0..K-1 are loaded and rerun (no grad) on every step, in
                  the dtype and with the rounding a cache build uses (preinfer.prefix).
   full           every parameter trains, from tokens.
+train.suffix_rank (bcd modes): LoRA adapters on blocks K+1..M-1 train alongside block K and are
+merged into them at the commit (preinfer/suffix.py).
 Library code: no Ray. `pipelines/train.py` runs it on Ray Train workers (rank, world).
 """
 
@@ -43,6 +45,7 @@ from preinfer.metrics import append_metrics
 from preinfer.optim_state import SEP, load_optimizer_tensors, optimizer_tensors
 from preinfer.partition import trainable_named_parameters
 from preinfer.prefix import forward_prefix
+from preinfer.suffix import SuffixAdapters, kept_optimizer_state, resume_mismatch, suffix_spec
 from preinfer.trainer import (
     build_optimizer,
     current_memory_mb,
@@ -154,6 +157,17 @@ class Visit:
             self.always = [(n, p) for n, p in last if n in head and id(p) not in seen]
             self.params += [p for _, p in self.always]
             self.named[self.M - 1] = self.always
+        # train.suffix_rank: adapters on blocks K+1..M-1 (None: off, full, or K = M-1), their
+        # A, B the last of the visit's params (own param group; no state kept: merged at commit)
+        self.suffix = None
+        if spec.mode != "full" and cfg.train.suffix_rank:
+            self.suffix = SuffixAdapters.attach(
+                self.adapter, self.part, K, rank=cfg.train.suffix_rank,
+                alpha=cfg.train.suffix_alpha, modules=cfg.train.suffix_modules,
+                seed=(cfg.train.seed, spec.round), device=device,
+            )  # fmt: skip
+        self.n_block = len(self.params)  # the block's (+ always-trained) params come first
+        self.params += self.suffix.parameters() if self.suffix else []
         for p in self.params:
             p.requires_grad_(True)
         self.model.train(cfg.model.dropout > 0)
@@ -304,6 +318,9 @@ class Visit:
         if self.rank == 0 and (warning := tokens_warning(self.ckpt, self.store)):
             log(warning)  # fine-tuning on other data: said, never refused
         if state is not None:
+            if why := resume_mismatch(state, self.suffix):
+                raise ConfigError(f"{spath} holds this visit's training up to step "
+                                  f"{state.get('step')} {why}")  # fmt: skip
             with torch.no_grad():
                 for p, t in zip(self.params, state["params"], strict=True):
                     p.copy_(t)
@@ -384,6 +401,7 @@ class Visit:
                         "bad": bad,
                         "loss": loss,
                         "threads": torch.get_num_threads(),
+                        "suffix": suffix_spec(self.suffix),
                         "params": [p.detach().clone() for p in self.params],
                         "optim": opt.state_dict(),
                     },
@@ -406,6 +424,7 @@ class Visit:
             "peak_mem_mb": peak_memory_mb(self.device),
             "peak_mem_growth_mb": peak_memory_mb(self.device) - self.mem_base,
             "trainable_params": sum(p.numel() for p in self.params),
+            "suffix_params": self.suffix.num_params() if self.suffix else 0,
             "spec": asdict(spec),
         }
         if spec.mode != "full":  # which of the round's cached rows (cache row order) it read
@@ -451,11 +470,11 @@ class Visit:
         block's last visit left in the checkpoint (fresh for a block that has none yet). With
         always-trained parts, block M-1's saved state may hold more (its layers) or fewer (only
         the head, before its own first visit) tensors than this visit trains: what both have."""
-        opt = build_optimizer(self.params, self.tc)
+        opt = build_optimizer(self.params[: self.n_block], self.tc, self.params[self.n_block :])
         if self.tc.keep_optimizer_state:
             for b, named in self.named.items():
                 saved = self.ckpt.optimizer_state(b)
-                if saved is None:
+                if saved is None or not saved[1]:  # none (or kept empty by a suffix commit)
                     continue
                 by, tensors = saved
                 if b == self.M - 1 and self.cfg.train.always_train and self.spec.mode != "full":
@@ -468,19 +487,22 @@ class Visit:
         return opt
 
     def commit(self, opt: torch.optim.Optimizer) -> None:
-        """The trained blocks (one, or all M in full mode; + block M-1 when its head trained
-        alongside), with train.keep_optimizer_state their optimizer states, in ONE commit."""
-        blocks = self.blocks + ([self.M - 1] if self.always else [])
+        """The trained blocks (one, or all M in full mode; + blocks K+1..M-1 with their suffix
+        adapters merged; + block M-1 when its head trained alongside), with
+        train.keep_optimizer_state their optimizer states, in ONE commit. A block committed by
+        another's visit keeps its own last visit's state (+ the head's, trained here)."""
+        also = set(self.suffix.blocks if self.suffix else [])
+        also |= {self.M - 1} if self.always else set()
+        if self.suffix is not None:
+            self.suffix.merge()  # W += alpha/r B @ A in W's dtype; the hooks come off
+        blocks = self.blocks + sorted(also)
         states = {b: self.ckpt.block_state(self.model, self.adapter, b) for b in blocks}
         optim = None
         if self.tc.keep_optimizer_state:
             optim = {b: optimizer_tensors(opt, self.named.get(b, [])) for b in self.blocks}
-            if self.always:  # block M-1's layers' saved state (its last own visit's) stays
-                saved = self.ckpt.optimizer_state(self.M - 1)
-                head = {n for n, _ in self.always}
-                kept = {}
-                if saved is not None and saved[0] == self.tc.optimizer:
-                    kept = {k: t for k, t in saved[1].items() if k.rpartition(SEP)[0] not in head}
-                optim[self.M - 1] = {**kept, **optimizer_tensors(opt, self.always)}
+            for b in sorted(also):  # {} when it has none: Visit.optimizer reads that as none
+                mine = self.always if b == self.M - 1 else []
+                kept = kept_optimizer_state(self.ckpt, b, self.tc.optimizer, {n for n, _ in mine})
+                optim[b] = {**kept, **optimizer_tensors(opt, mine)}
         self.ckpt.commit_blocks(states, optim=optim, optimizer=self.tc.optimizer,
                                 tokens=token_record(self.store))  # fmt: skip
