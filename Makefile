@@ -9,7 +9,7 @@ CLI     := $(PY) -m pipelines.cli
 PYTEST_WORKERS ?=
 OUT     ?= runs/export
 
-.PHONY: setup test test-slow test-targets test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench real-model clean
+.PHONY: setup test test-slow test-targets test-functional test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench real-model clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ test-slow: $(STAMP)
 
 test-targets: $(STAMP)  # the slow tests of quality targets (deterministic, not timings)
 	$(PY) -m pytest -q -m "target and not cluster"
+
+test-functional: $(STAMP)  # the slow tests of behaviour (kills, resumes, Ray): deterministic, not timings
+	$(PY) -m pytest -q -m "functional and not cluster"
 
 test-cluster: $(STAMP)  # real `ray start` clusters on 127.0.0.1, torn down by pid
 	$(PY) -m pytest -q -m cluster

@@ -186,14 +186,21 @@ def to_dict(obj: Any, *, mask: bool = True) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping, with errors that name the file."""
+    """Read a YAML mapping, with errors that name the file. A key written twice in one mapping
+    (two `train:` sections, say) is refused: YAML would keep the last and drop the first."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            f"config file {p} is a directory; pass a YAML file (e.g. configs/demo.yaml)"
+        )
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; pass an existing file (see configs/)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = _strict_load(p.read_text(), p)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {p} is not UTF-8 text ({e}); pass a YAML file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -201,6 +208,50 @@ def load_yaml(path: str | Path) -> dict:
             f"config file {p} must hold a mapping of sections, got {type(data).__name__}"
         )
     return data
+
+
+_MERGE = "tag:yaml.org,2002:merge"  # `<<: *base`: its keys may be overridden, on purpose
+
+
+def _strict_load(text: str, path: Path) -> Any:
+    """yaml.safe_load, refusing a key written twice in one mapping (at any depth)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicates(node, path, [], set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicates(node: yaml.Node, path: Path, where: list[str], seen: set[int]) -> None:
+    if id(node) in seen:  # an alias met again (or a recursive one)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicates(item, path, [*where, f"[{i}]"], seen)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[tuple[str, str], int] = {}
+    for key, value in node.value:
+        if key.tag == _MERGE:
+            continue
+        name = key.value if isinstance(key, yaml.ScalarNode) else None
+        line = key.start_mark.line + 1
+        if name is not None and (key.tag, name) in lines:
+            dotted = ".".join([*where, name]).replace(".[", "[")
+            raise ConfigError(
+                f"config file {path}: key {dotted} is written twice (lines "
+                f"{lines[key.tag, name]} and {line}); YAML would keep only the second and drop "
+                "the first's settings: merge them into one"
+            )
+        if name is not None:
+            lines[key.tag, name] = line
+        _refuse_duplicates(value, path, [*where, str(name)], seen)
 
 
 NULLS = ("null", "Null", "NULL", "~")

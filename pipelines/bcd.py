@@ -26,8 +26,8 @@ number of optimizer steps as the BCD rotation); --mode bcd-recompute rotates wit
 from __future__ import annotations
 
 import copy
-import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +37,7 @@ from pipelines.cache_build import build_cache, refresh_allowed, refresh_cache
 from pipelines.train import precision_line, run_train
 from preinfer.cache_identity import Sources, plan_caches, store_budget
 from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_format import CheckpointError
 from preinfer.config import Config
 from preinfer.guards import (
     check_disk_for_cache,
@@ -48,30 +49,32 @@ from preinfer.guards import (
 from preinfer.metrics import append_metrics, last_visit_summary
 from preinfer.provenance import check_settings
 from preinfer.run_lock import run_lock
+from preinfer.run_state import (
+    check_run,
+    checkpoint_record,
+    load_run_state,
+    save_run_state,
+    state_path,
+)
 from preinfer.trainer import round_blocks, visit_position
-from preinfer.visit import VisitHooks, finish_committed
+from preinfer.visit import TrainingDiverged, VisitHooks, finish_committed
 from storage import fs
-from storage.atomic import dir_bytes, write_json
-from storage.layout import check_fingerprint, is_complete
+from storage.atomic import dir_bytes, write_bytes, write_json
+from storage.layout import CacheError, check_fingerprint, is_complete
 from storage.lease import describe, remove_unless_used
-from storage.tokens import TokenStore
+from storage.tokens import TokenStore, TokenStoreError
 
 
 def _state_path(cfg: Config) -> Path:
-    return Path(cfg.run.dir) / "state.json"
+    return state_path(cfg.run.dir)
 
 
 def load_state(cfg: Config) -> dict:
-    p = _state_path(cfg)
-    if p.is_file():
-        return json.loads(p.read_text())
-    return {"visits": {}, "caches_in_use": [], "events": []}
+    return load_run_state(cfg.run.dir)
 
 
 def save_state(cfg: Config, state: dict) -> None:
-    p = _state_path(cfg)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    write_json(p, state)
+    save_run_state(cfg.run.dir, state)
 
 
 def _event(cfg: Config, state: dict, **rec) -> None:
@@ -184,18 +187,64 @@ def run_bcd(
     on_visit(round, block, summary): after each visit is recorded (a benchmark's whole-val
     evaluation, say; its time is the caller's to count)."""
     with run_lock(cfg.run.dir, f"bcd --mode {mode or cfg.train.mode}", log=log):
-        return _rotate(cfg, mode or cfg.train.mode, log, hooks, on_visit)
+        before = _snapshot(cfg)
+        try:
+            return _rotate(cfg, mode or cfg.train.mode, log, hooks, on_visit)
+        except REFUSALS as e:
+            if not isinstance(e, TrainingDiverged):  # that one trained: its records stay
+                _undo_if_untrained(cfg, before)
+            raise
+
+
+# a user's mistake found by a check: the run's records are put back as they were
+REFUSALS = (ConfigError, TokenStoreError, CheckpointError, CacheError)
+_RECORDS = ("state.json", "config.json")
+
+
+def _snapshot(cfg: Config) -> dict:
+    run = Path(cfg.run.dir)
+    snap = {n: (run / n).read_bytes() if (run / n).is_file() else None for n in _RECORDS}
+    metrics = run / "metrics.jsonl"
+    snap["metrics"] = metrics.stat().st_size if metrics.is_file() else None
+    try:
+        snap["checkpoint"] = ckpt_hash(cfg)
+    except (CheckpointError, OSError):
+        snap["checkpoint"] = None
+    return snap
+
+
+def _undo_if_untrained(cfg: Config, snap: dict) -> None:
+    """A refusal after the run's records were written (a visit's own checks, say): when no
+    visit committed meanwhile, put state.json, config.json and metrics.jsonl back as they
+    were, so the refused command leaves the run.dir as it found it. Caches it built stay (they
+    are addressed by content: the corrected rerun reuses them)."""
+    run = Path(cfg.run.dir)
+    try:
+        if ckpt_hash(cfg) != snap["checkpoint"]:
+            return  # a visit committed: its record must stay
+    except (CheckpointError, OSError):
+        return
+    for n in _RECORDS:
+        if snap[n] is None:
+            (run / n).unlink(missing_ok=True)
+        else:
+            write_bytes(run / n, snap[n])
+    metrics = run / "metrics.jsonl"
+    if snap["metrics"] is None:
+        metrics.unlink(missing_ok=True)
+    elif metrics.is_file():
+        os.truncate(metrics, snap["metrics"])
 
 
 def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
-    state = load_state(cfg)
+    # refused here, in the driver, before anything is written or a worker starts
+    store, ckpt = TokenStore(cfg.data.out_dir), Checkpoint.open(cfg.run.checkpoint)
+    state = check_run(cfg.run.dir, ckpt, "bcd")
     if state.get("mode", mode) != mode:
         raise ConfigError(
             f"{_state_path(cfg)} belongs to a --mode {state['mode']} run; use another run.dir "
             f"for --mode {mode}"
         )
-    # refused here, in the driver, before any state is written or a worker starts
-    store, ckpt = TokenStore(cfg.data.out_dir), Checkpoint.open(cfg.run.checkpoint)
     check_vocab(ckpt, store)
     check_settings(cfg, "bcd", tokens=store.manifest, checkpoint=ckpt.index)
     if state.get("tokens"):
@@ -203,27 +252,34 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     else:  # the rotation starts (or a state.json from before the record): tokens from now on
         state["tokens"] = token_record(store)
     _check_same_rotation(cfg, state, mode)
+    M = ckpt.num_blocks
+    budget = store_budget(cfg, store)
+    if cfg.train.batch_size > budget.n_train:
+        raise ConfigError(
+            f"train.batch_size ({cfg.train.batch_size}) is larger than the train split "
+            f"({budget.n_train} rows of {store.path}); lower train.batch_size, or tokenize more "
+            "data"
+        )
+    orders = [] if mode == "full" else _round_orders(cfg, state, M)
+    check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
+    # every check passed: from here on the run.dir records this run
     state["mode"] = mode
     if mode != "full":
         state["order"], state["schedule"] = cfg.train.order, cfg.train.schedule
         state["cache_visits"] = cfg.train.cache_visits
+    state.setdefault("checkpoint", checkpoint_record(ckpt))
     save_state(cfg, state)
     # the resolved config of this run (storage credentials masked)
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
-    M = ckpt.num_blocks
-    check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
     log(f"  training precision: {precision_line(cfg)}")
     try:
         warn_trainer_memory(cfg, mode=mode, log=log)
     except Exception as e:  # an estimate must never stop a run
         log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
-    budget = store_budget(cfg, store)
-    orders: list[list[int]] = []
     if mode == "full":
         plan = [(0, 0)]
         log(f"  full: {budget.steps * cfg.train.rounds * M} steps over all train rows")
     else:
-        orders = _round_orders(cfg, state, M)
         plan = [(r, k) for r in range(cfg.train.rounds) for k in orders[r]]
         log(f"  each visit: {budget.why} ({budget.passes:.2f} passes)")
         if cfg.train.order == "random":
@@ -244,6 +300,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             finish_committed(cfg, r, k, mode)
             state["visits"][key] = {**last_visit_summary(cfg), "cache": pending["cache"]}
             state["pending"] = None
+            state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
             save_state(cfg, state)
             results.append(state["visits"][key])
             if descending:
@@ -278,6 +335,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
         summary = {**summary, "cache": action}
         state["visits"][key] = summary
         state["pending"] = None
+        state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
         save_state(cfg, state)
         results.append(summary)
         if descending:
@@ -311,7 +369,6 @@ def _round_orders(cfg: Config, state: dict, M: int) -> list[list[int]]:
                 "rerun with the train.seed the rotation started with, or use another run.dir"
             )
         recorded[str(r)] = order
-    save_state(cfg, state)
     return orders
 
 

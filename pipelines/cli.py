@@ -21,11 +21,11 @@ from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.tokenize import run_tokenize
-from pipelines.train import run_train
+from pipelines.train import run_train_by_hand
 from preinfer.checkpoint_format import CheckpointError
 from preinfer.config import Config, load_config
 from preinfer.plan import add_plan_arguments, run_plan
-from preinfer.run_lock import run_lock
+from preinfer.run_lock import check_writable, run_lock
 from storage import cache_tools
 from storage.layout import CacheError, check_fingerprint
 from storage.tokens import TokenStoreError
@@ -137,9 +137,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _load(args):
+# the directories each command writes in (config keys), checked before it runs (tokenize
+# checks its own: a store that is current is not written)
+WRITES = {
+    "init": ("run.dir", "run.checkpoint"),
+    "train": ("run.dir", "run.checkpoint"),
+    "bcd": ("run.dir", "run.checkpoint", "cache.root"),
+    "demo": ("run.dir", "data.out_dir", "run.checkpoint", "cache.root"),
+    "eval": ("run.dir",),  # metrics.jsonl
+    "report": ("run.dir",),
+    "cache build": ("cache.root",),
+    "cache refresh": ("cache.root",),
+}
 
-    return load_config(args.config, args.overrides)
+
+def _load(args):
+    cfg = load_config(args.config, args.overrides)
+    cmd = " ".join(filter(None, (args.cmd, getattr(args, "cache_cmd", None))))
+    _check_dirs(cfg, WRITES.get(cmd, ()))
+    return cfg
+
+
+def _check_dirs(cfg: Config, keys: tuple[str, ...]) -> None:
+    """A file where a directory the command writes goes, or one it cannot write: one line
+    naming the setting, before anything runs. run.dir is named first where the others are
+    under it (they are unless set elsewhere)."""
+    paths = {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in keys}
+    run = Path(cfg.run.dir)
+    if "run.dir" not in paths and any(run in Path(v).parents for v in paths.values()):
+        paths = {"run.dir": cfg.run.dir, **paths}
+    for key, path in paths.items():
+        check_writable(path, key, replaced=key == "data.out_dir")
 
 
 def _cmd_config(args) -> int:
@@ -182,7 +210,7 @@ def _cmd_demo(args) -> int:
 def _cmd_train(args) -> int:
     cfg = _load(args)
     with run_lock(cfg.run.dir, f"train --block {args.block}"):  # one run per run.dir
-        res = run_train(cfg, args.block, args.round, mode=args.mode)
+        res = run_train_by_hand(cfg, args.block, args.round, mode=args.mode)
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}))
     return 0
 
@@ -232,7 +260,10 @@ def _cache(args, cfg: Config) -> int:
         return 0
     root = getattr(args, "root", None) or cfg.cache.root
     if cmd == "ls":
-        print(cache_tools.format_table(cache_tools.list_caches(root)))
+        rows = cache_tools.list_caches(root)
+        print(cache_tools.format_table(rows))
+        for note in filter(None, map(cache_tools.damage_note, rows)):
+            print(note)
         return 0
     if cmd == "inspect":
         print(json.dumps(cache_tools.inspect_cache(root, args.fingerprint), indent=2, default=str))
@@ -287,6 +318,36 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, TokenStoreError, FileNotFoundError, CheckpointError, CacheError)
 
 
+# no write access: permissions, an immutable attribute, a read-only mount
+DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+WHERE = "run.dir (or data.out_dir, run.checkpoint, cache.root)"
+
+
+def path_error(e: OSError) -> str | None:
+    """The line for an OSError that a path the user chose causes (no write access to it, or
+    a file where a directory goes); None for any other."""
+    name = e.filename
+    if name is None:
+        return None
+    if e.errno in DENIED:
+        return (
+            f"no access to {name} ({e.strerror}): its permissions, a read-only mount or an "
+            f"immutable attribute keep this user from writing (or reading) it; make it "
+            f"writable, or point {WHERE} at a directory you can write"
+        )
+    if e.errno not in (errno.ENOTDIR, errno.EEXIST):
+        return None
+    p = Path(name)
+    # the file standing where a directory goes: the path itself, or a directory above it
+    blocker = next((q for q in (p, *p.parents) if q.exists() and not q.is_dir()), None)
+    if blocker is None:
+        return None
+    return (
+        f"{blocker} is a file, not a directory, so {name} cannot be made; remove or rename that "
+        f"file, or point {WHERE} elsewhere"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -301,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as e:
         if e.errno not in DISK_FULL:
-            raise
+            line = path_error(e)
+            if line is None:
+                raise
+            print(f"preinfer {args.cmd}: error: {line}", file=sys.stderr)
+            return 2
         # every writer commits by rename: what was written before this file is intact
         print(
             f"preinfer {args.cmd}: error: the disk is full writing {e.filename or 'a file'} "

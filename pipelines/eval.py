@@ -15,6 +15,7 @@ from preinfer.device import autocast, resolve_device
 from preinfer.loss import evaluate_tokens
 from preinfer.metrics import append_metrics
 from preinfer.provenance import check_settings
+from preinfer.run_state import check_run
 from storage.tokens import TokenStore
 
 # (objective, store has labels) -> the positions the loss is a mean over
@@ -33,6 +34,7 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
     # the store and checkpoint this config asks for (a bert scored on next tokens, say, would
     # mean nothing)
     check_settings(cfg, "eval", tokens=store.manifest, checkpoint=ckpt.index)
+    check_run(cfg.run.dir, ckpt, "eval")
     device = resolve_device(cfg.run.device)
     model, adapter = ckpt.load(range(ckpt.num_blocks), device=device)
     model.eval()

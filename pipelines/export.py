@@ -11,6 +11,7 @@ from preinfer.config import Config
 from preinfer.export import check_out_dir, export_hf
 from preinfer.modeling import resolve_checkpoint_path, resolve_package_path
 from preinfer.provenance import check_settings
+from preinfer.run_state import check_run
 from preinfer.tokenization import tokenizer_file
 from storage import fs
 from storage.tokens import TokenStore
@@ -21,6 +22,7 @@ def run_export(cfg: Config, out: str, force: bool = False, log=print) -> dict:
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     tokens = TokenStore(cfg.data.out_dir).manifest if TokenStore.exists(cfg.data.out_dir) else None
     check_settings(cfg, "export", tokens=tokens, checkpoint=ckpt.index)
+    state = check_run(cfg.run.dir, ckpt, "export")
     hf_tokenizer = hf_model = None  # the user's HF directories: a causal LM's export keeps them
     if cfg.model.arch != "bert":
         if cfg.data.tokenizer != "bpe":
@@ -36,4 +38,8 @@ def run_export(cfg: Config, out: str, force: bool = False, log=print) -> dict:
         f"load it with transformers.{res['auto_class']}.from_pretrained and "
         "AutoTokenizer.from_pretrained"
     )
+    if ckpt.trained_tokens is None and not state.get("visits"):
+        log(f"export: note: {ckpt.path} has not been trained (as `preinfer init` wrote it): "
+            "this export is the initial model; run `preinfer bcd` first to export a trained "
+            "one")  # fmt: skip
     return res

@@ -1,18 +1,31 @@
 """Stage `preinfer init`: build the model (random init or local checkpoint), cut it into M
-blocks and write the per-block checkpoint."""
+blocks and write the per-block checkpoint.
+
+Everything that can refuse (the token store's vocab and positions, the run.dir lock) is checked
+before the first byte is written. A new checkpoint under a run.dir moves the run's earlier
+records aside (preinfer/run_state.py): they describe the checkpoint it replaced."""
 
 from __future__ import annotations
 
 from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import init_checkpoint
+from preinfer.checkpoint_init import build_blocks, init_checkpoint
 from preinfer.config import Config
-from preinfer.guards import check_vocab
+from preinfer.guards import check_dims
+from preinfer.run_lock import run_lock
+from preinfer.run_state import reset_run
 from storage.tokens import TokenStore
 
 
 def run_init(cfg: Config, *, force: bool = False, log=print) -> Checkpoint:
-    ckpt = init_checkpoint(cfg.model, cfg.partition.num_blocks, cfg.run.checkpoint, force=force)
+    built = build_blocks(cfg.model, cfg.partition.num_blocks)
     if TokenStore.exists(cfg.data.out_dir):  # else `tokenize` has not run yet: nothing to check
-        check_vocab(ckpt, TokenStore(cfg.data.out_dir))
+        check_dims(built[0]["dims"], TokenStore(cfg.data.out_dir), cfg.run.checkpoint)
+    # a bcd holding the run.dir would train on, and record visits of, a checkpoint replaced
+    # under it: init waits for no one, it refuses
+    with run_lock(cfg.run.dir, "init"):
+        ckpt = init_checkpoint(cfg.model, cfg.partition.num_blocks, cfg.run.checkpoint,
+                               force=force, built=built)  # fmt: skip
+        if ckpt.index.get("init_id") == built[0]["init_id"]:  # written now, not reused
+            reset_run(cfg.run.dir, log=log)
     log(f"init: {ckpt.path}: {ckpt.summary()}")
     return ckpt

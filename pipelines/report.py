@@ -21,6 +21,7 @@ summary: pipelines/report_summary.py. Their public names are re-exported here.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from pipelines.report_data import collect
 from pipelines.report_plots import (
@@ -33,6 +34,7 @@ from pipelines.report_plots import (
 from pipelines.report_summary import _f, write_summary
 from preinfer.config import Config
 from preinfer.provenance import check_settings
+from preinfer.run_state import check_run
 
 PLOTS = ("progress", "loss", "val_ppl", "cache_timeline", "throughput")
 
@@ -45,6 +47,9 @@ def run_report(cfg: Config, out_dir: str | Path | None = None, log=print) -> dic
     data = collect(cfg)
     rec = {k: v if isinstance(v, dict) else None for k, v in data["recorded"].items()}
     check_settings(cfg, "report", tokens=rec["tokens"], checkpoint=rec["checkpoint"])
+    if rec["checkpoint"] is not None:  # the visits it reports are in the checkpoint it names
+        ckpt = SimpleNamespace(index=rec["checkpoint"], path=cfg.run.checkpoint)  # reads only
+        check_run(cfg.run.dir, ckpt, "report")
     out = Path(out_dir) if out_dir is not None else Path(cfg.run.dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots = {name: out / f"{name}.png" for name in PLOTS}

@@ -14,16 +14,18 @@ second to commit is refused (storage/tokens.py).
 
 Streaming: the corpus is read in passes (hash and count; train the BPE; encode and pack), never
 held whole; what stays in memory is one batch of documents, a row being packed and at most a
-shard of rows per split (the writer's buffers).
+shard of rows per split (the writer's buffers). A long document reaches the tokenizer in pieces
+cut where its pre-tokenizer splits anyway (preinfer/tokenization.py `pieces`): the same ids, at
+the memory of many short documents.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import time
+from pathlib import Path
 
 import tokenizers
 from tqdm import tqdm
@@ -35,9 +37,15 @@ from preinfer.config import Config
 from preinfer.corpus import CorpusError, RowStats
 from preinfer.modeling import resolve_checkpoint_path
 from preinfer.packing import MASK_REPLACE, MlmPacker, Packer, PairPacker
+from preinfer.run_lock import check_writable
 from preinfer.tokenization import (
+    BATCH_CHARS,
+    LOOSE_PIECE_CHARS,
+    PIECE_CHARS,
     DataConfig,
+    encode_ids,
     eos_id,
+    exact_pieces,
     is_val,
     iter_documents,
     load_tokenizer,
@@ -99,6 +107,16 @@ def _scan(d: DataConfig) -> tuple[str, dict[str, int], RowStats]:
         corpus.update(hashlib.sha256(doc.key()).digest())
         counts["val" if is_val(doc, d) else "train"] += 1
     return corpus.hexdigest(), counts, rows
+
+
+def _check_out(cfg: Config, out, *, access: bool) -> None:
+    """Refuse a store directory that cannot be made (a file in the way) or, with access, not
+    written, in the words of the setting: run.dir where the store is under it (the default)."""
+    if fs.is_url(out):
+        return
+    if Path(cfg.run.dir) in out.parents:
+        check_writable(cfg.run.dir, "run.dir", access=access)
+    check_writable(out, "data.out_dir", replaced=True, access=access)
 
 
 def tokens_fingerprint(cfg: Config, corpus: str, rendering: dict | None = None) -> str:
@@ -170,6 +188,7 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
     d = cfg.data
     t0 = time.perf_counter()
     out = fs.path(d.out_dir)  # a Path, or a RemotePath (s3://...)
+    _check_out(cfg, out, access=False)  # a file in the way: said before the corpus is read
     found = manifest_bytes(out)  # the store a commit may replace: another one then is refused
     # a user's tokenizer (and its chat template) first: a missing one is refused before the scan
     tok = load_tokenizer(tokenizer_file(d.tokenizer)) if d.tokenizer != "bpe" else None
@@ -202,6 +221,7 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
                 f"now {fingerprint[:12]}); pass --force to replace it or set data.out_dir elsewhere"
             )
 
+    _check_out(cfg, out, access=True)  # a current store on a read-only disk is not refused
     for name, n in docs.items():
         if not n:
             raise CorpusError(
@@ -213,6 +233,8 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         tok = train_bpe(_train_texts(d), d.vocab_size, mlm=True)  # with [CLS] and [MASK]
     elif tok is None:
         tok = train_bpe(_train_texts(d), d.vocab_size)
+    if d.tokenizer == "bpe":
+        _warn_small_vocab(tok, d, log)
     # text (and a BPE's pairs): the end-of-document token; pairs: what ends a response (the
     # tokenizer's own eos); chat: the padding (its eos)
     eos = eos_id(tok) if end is None else end
@@ -243,7 +265,9 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
             if err is None:
                 raise
             raise err from e
-        n_tokens, packers, seen = _encode_and_pack(cfg, tok, eos, mlm, chat, writer, n_docs, t0)
+        n_tokens, packers, seen, long = _encode_and_pack(
+            cfg, tok, eos, mlm, chat, writer, n_docs, t0
+        )
         if seen != corpus:  # read again for this pass: the store must hold what was hashed
             raise CorpusError(
                 f"data.source {d.source!r} changed while it was tokenized (its documents now "
@@ -300,6 +324,13 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         f"{n_tokens:,} tokens, vocab {vocab}, S={d.seq_len}: {c['train']} train + {c['val']} val "
         f"samples in {dt:.1f}s ({n_tokens / dt:,.0f} tok/s) -> {out}"
     )
+    if long:
+        log(
+            f"tokenize: {long} texts longer than {LOOSE_PIECE_CHARS:,} characters were encoded "
+            "in pieces of at most that size, cut before a space, to bound memory; this "
+            "tokenizer (not a byte-level one) may encode the first word of a piece otherwise "
+            "than the whole text would"
+        )
     if d.pairs or d.chat:
         _log_pairs(store.manifest["pairs" if d.pairs else "chat"], d, log)
     if d.mlm:
@@ -310,6 +341,24 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
             f"kept; data.mask_fraction={d.mask_fraction}, data.mask_seed={d.mask_seed})"
         )
     return store
+
+
+# a trained BPE with fewer tokens than this share of data.vocab_size is worth a warning
+VOCAB_SHORT = 0.9
+
+
+def _warn_small_vocab(tok, d: DataConfig, log) -> None:
+    """Say so when the BPE learnt far fewer tokens than data.vocab_size asks: its train split
+    ran out of pairs to merge (too little text, or the same few words again and again)."""
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if got >= VOCAB_SHORT * d.vocab_size:
+        return
+    log(
+        f"tokenize: warning: the trained BPE has {got} tokens of data.vocab_size={d.vocab_size}: "
+        "the train split holds too little or too repetitive text to learn more merges; give "
+        f"more (or more varied) text, or set data.vocab_size={max(got, 260)} (and "
+        "model.vocab_size no larger than needed)"
+    )
 
 
 MASK_NAMES = ("[MASK]", "<mask>")
@@ -357,14 +406,19 @@ def _encode_and_pack(
     n_tokens, corpus = 0, hashlib.sha256()
     bar = tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None)
     docs = iter_documents(d)
-    while batch := list(itertools.islice(docs, ENCODE_BATCH)):
+    # a huge document is encoded in pieces; with a tokenizer that may encode a piece's start
+    # otherwise than the whole, only one that would cost hundreds of MB, and counted
+    exact = exact_pieces(tok)
+    limit, long = (PIECE_CHARS if exact else LOOSE_PIECE_CHARS), 0
+    while batch := _batch(docs):
         if chat is not None:  # (ids, target) of each rendered conversation
             enc = chat.encode(batch)
         else:
             texts = [doc.text for doc in batch]
             if d.pairs:
                 texts += [doc.response for doc in batch]
-            enc = tok.encode_batch(texts, add_special_tokens=False)
+            long += 0 if exact else sum(len(t) > limit for t in texts)
+            enc = encode_ids(tok, texts, limit)
         for j, doc in enumerate(batch):
             corpus.update(hashlib.sha256(doc.key()).digest())
             split = "val" if is_val(doc, d) else "train"
@@ -372,15 +426,15 @@ def _encode_and_pack(
                 n_tokens += len(enc[j][0])
                 writer.add(split, *packers[split].add_masked(*enc[j]))
             elif d.pairs:
-                p, r = enc[j].ids, enc[len(batch) + j].ids
+                p, r = enc[j], enc[len(batch) + j]
                 n_tokens += len(p) + len(r) + 1
                 writer.add(split, *packers[split].add(p, r))
             elif mlm is not None:
-                n_tokens += len(enc[j].ids) + 1
-                writer.add(split, *packers[split].add(enc[j].ids))
+                n_tokens += len(enc[j]) + 1
+                writer.add(split, *packers[split].add(enc[j]))
             else:
-                n_tokens += len(enc[j].ids) + 1
-                writer.add(split, packers[split].add(enc[j].ids))
+                n_tokens += len(enc[j]) + 1
+                writer.add(split, packers[split].add(enc[j]))
         del enc
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):,.0f}")
@@ -388,7 +442,20 @@ def _encode_and_pack(
     if d.pairs or d.chat:
         for split, p in packers.items():
             writer.add(split, *p.finish())
-    return n_tokens, packers, corpus.hexdigest()
+    return n_tokens, packers, corpus.hexdigest(), long
+
+
+def _batch(docs) -> list:
+    """The next documents to encode at once: ENCODE_BATCH, or fewer holding BATCH_CHARS."""
+    out, chars = [], 0
+    for doc in docs:
+        out.append(doc)
+        chars += (
+            len(doc.text) + len(doc.response or "") + sum(len(c) for _, c in doc.messages or ())
+        )
+        if len(out) == ENCODE_BATCH or chars >= BATCH_CHARS:
+            break
+    return out
 
 
 def _all_too_long(stats: dict, split: str, d: DataConfig) -> None:

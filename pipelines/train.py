@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 
 from core.config import ConfigError
 from pipelines.ray_env import (
@@ -28,13 +29,16 @@ from pipelines.ray_env import (
 )
 from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint_format import CheckpointError
 from preinfer.config import Config
 from preinfer.device import resolve_device, training_precision
 from preinfer.guards import check_vocab, warn_trainer_memory
 from preinfer.metrics import last_visit_summary
 from preinfer.provenance import check_settings
+from preinfer.run_state import check_run, checkpoint_record, load_run_state, save_run_state
 from preinfer.visit import Visit, VisitHooks, VisitSpec, state_path
 from preinfer.visit_state import load_state
+from storage import fs
 from storage.tokens import TokenStore
 
 
@@ -57,6 +61,30 @@ def visit_spec(
             )
         spec.cache_train, spec.cache_val = plans["train"].fingerprint, plans["val"].fingerprint
     return spec
+
+
+def check_block_files(ckpt: Checkpoint, blocks) -> None:
+    """Refuse (CheckpointError) when a block file the visit loads is missing or damaged
+    (truncated, not safetensors): its header is read, not its tensors, so this costs a stat
+    and a few KB a block; the visit checks the hashes as it loads. Object-store checkpoints
+    are left to the visit (a request per file)."""
+    if fs.is_url(ckpt.path):
+        return
+    for b in blocks:
+        path = ckpt.block_file(b)
+        fix = (
+            "the checkpoint is damaged: restore the file, or re-create the checkpoint with "
+            "`preinfer init --force` (its trained weights are lost)"
+        )
+        if not path.is_file():
+            raise CheckpointError(f"block {b}'s file {path} is missing; {fix}")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(
+                f"block {b}'s file {path} is damaged (cut short or overwritten: {e}); {fix}"
+            ) from None
 
 
 def cpus_per_worker(cfg: Config) -> float:
@@ -160,6 +188,9 @@ def run_train(
     check_vocab(ckpt, store)  # ids past the embedding: refused here
     # what the config asks is what runs: the store's data and the checkpoint's model settings
     check_settings(cfg, "train", tokens=store.manifest, checkpoint=ckpt.index)
+    # a damaged block file is named before anything else is said of the visit (a missing cache,
+    # say: building one would not mend it)
+    check_block_files(ckpt, range(block if mode == "bcd" else 0, ckpt.num_blocks))
     spec = visit_spec(cfg, block, round_, mode, caches)
     if memory_check:
         log(f"  training precision: {precision_line(cfg)}")
@@ -202,3 +233,17 @@ def run_train(
     trainer.fit()
     # rank 0 appended the visit's summary to metrics.jsonl; Ray Train's own metrics are flat
     return last_visit_summary(cfg)
+
+
+def run_train_by_hand(cfg: Config, block: int, round_: int, *, mode: str | None = None) -> dict:
+    """`preinfer train --block K`: one visit outside the rotation. A run.dir whose state.json
+    records a rotation must hold the checkpoint it names; the visit's commit is then recorded
+    there as the checkpoint the run goes on from (a later bcd, eval or export accepts it)."""
+    state = load_run_state(cfg.run.dir)
+    if state.get("checkpoint"):  # else no rotation to hold it to: run_train's own checks
+        state = check_run(cfg.run.dir, Checkpoint.open(cfg.run.checkpoint), "train")
+    res = run_train(cfg, block, round_, mode=mode)
+    if state.get("checkpoint"):
+        state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
+        save_run_state(cfg.run.dir, state)
+    return res

@@ -35,10 +35,35 @@ from preinfer.partition import block_tensor_names, partition_model
 from storage import fs
 
 
+def build_blocks(model_cfg: ModelConfig, num_blocks: int) -> tuple[dict, list[dict]]:
+    """The model of `model_cfg` cut into `num_blocks` blocks, in memory: (checkpoint.json's
+    index, one {tensor name: tensor} per block). Writes nothing: a stage checks the index
+    (vocab, positions) before `init_checkpoint` writes it."""
+    model = build_model(model_cfg)
+    adapter = get_adapter(model, model_cfg.arch)
+    partition = partition_model(adapter, num_blocks)
+    tensors = adapter.tensors()
+    states = [
+        _cpu_state(tensors, block_tensor_names(adapter, partition, b), f"block {b}")
+        for b in range(partition.num_blocks)
+    ]
+    index = _make_index(model_cfg, model, adapter, partition, states)
+    # which init this checkpoint descends from: commits carry it, a re-init draws a new one,
+    # so a run's state.json can tell "its" checkpoint from a re-initialised one
+    index["init_id"] = uuid.uuid4().hex
+    return index, states
+
+
 def init_checkpoint(
-    model_cfg: ModelConfig, num_blocks: int, out_dir: str | Path, *, force: bool = False
+    model_cfg: ModelConfig,
+    num_blocks: int,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+    built: tuple[dict, list[dict]] | None = None,
 ) -> Checkpoint:
-    """Build the model of `model_cfg`, cut it into `num_blocks` blocks and write the checkpoint.
+    """Build the model of `model_cfg` (or take `built`, from build_blocks), cut it into
+    `num_blocks` blocks and write the checkpoint.
 
     Written into a temp dir beside `out_dir` and renamed into place, so a crash never leaves a
     directory that looks complete. An existing checkpoint with the same content is reused; a
@@ -49,15 +74,7 @@ def init_checkpoint(
     out = fs.path(out_dir)
     if not fs.is_url(out) and out.exists() and not out.is_dir():
         raise CheckpointError(f"checkpoint path {out} is a file; choose a directory")
-    model = build_model(model_cfg)
-    adapter = get_adapter(model, model_cfg.arch)
-    partition = partition_model(adapter, num_blocks)
-    tensors = adapter.tensors()
-    states = [
-        _cpu_state(tensors, block_tensor_names(adapter, partition, b), f"block {b}")
-        for b in range(partition.num_blocks)
-    ]
-    index = _make_index(model_cfg, model, adapter, partition, states)
+    index, states = built if built is not None else build_blocks(model_cfg, num_blocks)
     if (out / INDEX).exists():
         existing = Checkpoint.open(out)
         if _content_key(existing.index) == _content_key(index):

@@ -204,14 +204,19 @@ def warn_trainer_memory(cfg, *, mode: str | None = None, block: int | None = Non
 def check_vocab(ckpt, store) -> None:
     """Refuse, in the driver, a token store whose ids the checkpoint's embedding cannot look up
     (else an IndexError inside a worker) or whose samples exceed the model's positions."""
-    if store.vocab_size > ckpt.vocab_size:
+    check_dims(ckpt.index["dims"], store, ckpt.path)
+
+
+def check_dims(dims: dict, store, where) -> None:
+    """check_vocab on a checkpoint's "dims" (vocab_size, max_positions), before it is written."""
+    vocab, max_pos = dims["vocab_size"], dims.get("max_positions")
+    if store.vocab_size > vocab:
         raise ConfigError(
             f"the token store at {store.path} has {store.vocab_size} tokens but the checkpoint "
-            f"{ckpt.path} embeds {ckpt.vocab_size}: its ids would index past the embedding. "
-            f"Re-tokenize with data.vocab_size <= {ckpt.vocab_size} (or the model's own "
+            f"{where} embeds {vocab}: its ids would index past the embedding. "
+            f"Re-tokenize with data.vocab_size <= {vocab} (or the model's own "
             f"tokenizer), or init the model with model.vocab_size >= {store.vocab_size}"
         )
-    max_pos = ckpt.max_positions
     if max_pos is not None and store.seq_len > max_pos:
         raise ConfigError(
             f"the token store's S={store.seq_len} is larger than the model's {max_pos} positions; "

@@ -44,6 +44,15 @@ def last_visit_summary(cfg) -> dict:
     return last
 
 
+def close_writers(run_dir) -> None:
+    """Close this process's TensorBoard writer of `run_dir` (its files are about to move)."""
+    key = str(Path(run_dir))
+    w = _writers.pop(key, None)
+    _steps.pop(key, None)
+    if w is not None:
+        w.close()
+
+
 def _tensorboard(cfg, record: dict) -> None:
     if not tensorboard_available():
         return

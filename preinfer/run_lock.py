@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from core.config import ConfigError
+from storage import fs
 
 LOCK_NAME = ".lock"
 
@@ -44,6 +45,42 @@ _mutex = threading.Lock()
 
 class RunDirLocked(ConfigError):
     """Another run holds this run.dir (or a record of another host's run is there)."""
+
+
+def check_writable(
+    path: str | Path, key: str, *, replaced: bool = False, access: bool = True
+) -> None:
+    """Refuse (ConfigError), before anything is written, a local directory `path` (the config
+    key `key` names it) that cannot be made or written to: it, or a directory above it, is a
+    file; or the directory it is in (itself, when it exists) is not writable by this process
+    (permissions, a read-only mount, an immutable attribute). replaced: it is written beside
+    and renamed into place (a token store), so the directory holding it must be writable too.
+    access=False: only a file in the way is refused (for a command that may find nothing to
+    write). Object-store URLs pass."""
+    if fs.is_url(path):
+        return
+    p = Path(path).absolute()
+    # the nearest of it and the directories above it that exists (lexists: never raises)
+    have = next(q for q in (p, *p.parents) if os.path.lexists(q))
+    is_dir = os.path.isdir(have)
+    elsewhere = f"set {key} to a directory you can write"
+    if not is_dir and have == p:
+        raise ConfigError(
+            f"{key} {p} is a file, not a directory; remove or rename the file, or {elsewhere}"
+        )
+    if not is_dir:
+        raise ConfigError(
+            f"{key} {p} cannot be made: {have} is a file, not a directory; remove or rename "
+            f"that file, or {elsewhere}"
+        )
+    if replaced and have == p:
+        have = p.parent
+    if access and not os.access(have, os.W_OK | os.X_OK):
+        what = "" if have == p else f": {have}, where it is made,"
+        raise ConfigError(
+            f"{key} {p}{what} is not writable by this user (its permissions, a read-only mount "
+            f"or an immutable attribute); make it writable, or {elsewhere}"
+        )
 
 
 def _boot_id() -> str | None:
@@ -175,6 +212,7 @@ def run_lock(
     """Hold `<run_dir>/.lock` for the block (created with run_dir if missing); yields its path.
     Raises RunDirLocked, naming the holder, when another run has it."""
     run_dir = Path(run_dir)
+    check_writable(run_dir, "run.dir")  # a file there, or no write access: one clear line
     run_dir.mkdir(parents=True, exist_ok=True)
     path = (run_dir / LOCK_NAME).resolve()
     key = str(path)

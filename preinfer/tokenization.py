@@ -4,12 +4,16 @@ train/val split, and tokenizer training/loading."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import numpy as np
 
 from core.config import ConfigError
 from preinfer.corpus import CorpusError, Document, RowStats, iter_local, iter_rows, template_fields
@@ -234,7 +238,9 @@ def iter_documents(cfg: DataConfig, stats: RowStats | None = None) -> Iterator[D
 
 def is_val(doc: Document, cfg: DataConfig) -> bool:
     """Deterministic by content: identical documents always land in the same split."""
-    digest = hashlib.sha256(f"{cfg.split_seed}|".encode() + doc.key()).digest()
+    h = hashlib.sha256(f"{cfg.split_seed}|".encode())
+    h.update(doc.key())  # not concatenated: a huge document is not copied once more
+    digest = h.digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < cfg.val_fraction
 
 
@@ -244,9 +250,89 @@ def is_val(doc: Document, cfg: DataConfig) -> bool:
 SPECIAL_EOS = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
 
+# A text longer than this is handed to the tokenizer in pieces. `tokenizers` holds ~150 bytes
+# per character of one text while it pre-tokenizes or encodes it (an 8.5 MB document peaked at
+# 2 GB), and its BPE trainer takes 256 texts at a time, so what it holds grows with the
+# longest texts; pieces this short keep a huge document's cost at that of many short ones.
+PIECE_CHARS = 1 << 13
+# the bound for a tokenizer whose ids of a piece may differ from the whole's (exact_pieces):
+# only a text that would cost hundreds of MB is cut
+LOOSE_PIECE_CHARS = 1 << 20
+# what one encode_batch call is given at most: its output objects hold tens of bytes per
+# character until their ids are taken
+BATCH_CHARS = 1 << 19
+# a piece starts at the last whitespace character before a non-space one: the byte-level
+# pre-tokenizer (and GPT-2 / Llama-3 style split patterns) always starts a pre-token there and
+# ends the one before, so the pieces' ids are the ids of the whole text
+_CUT = re.compile(r"[ \t\n](?=\S)")
+
+
+def pieces(text: str, limit: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of at most `limit` characters (itself when it is no longer), each
+    cut where a byte-level BPE's pre-tokenizer splits anyway (see _CUT), so that encoding the
+    pieces gives the ids of encoding the whole, at a bounded memory. A stretch of `limit` / 2
+    characters without whitespace is cut between a letter, a digit and another character
+    (also a pre-token boundary but for rare contractions), else at `limit`."""
+    out, start, n = [], 0, len(text)
+    while n - start > limit:
+        lo, hi = start + limit // 2, start + limit
+        cut = None
+        for m in _CUT.finditer(text, lo, hi):
+            cut = m.start()
+        if cut is None:
+            cut = next((i for i in range(hi, lo, -1) if _kind(text[i - 1]) != _kind(text[i])), hi)
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def _kind(c: str) -> int:
+    return 0 if c.isalpha() else 1 if c.isdigit() else 2
+
+
+def exact_pieces(tok) -> bool:
+    """Whether encoding `pieces` of a text gives this tokenizer's ids of the whole text: no
+    normalizer, and a byte-level or split-pattern pre-tokenizer (a SentencePiece-style one
+    adds a marker at each piece's start)."""
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    return (
+        spec.get("normalizer") is None
+        and bool(parts)
+        and all(p.get("type") in ("ByteLevel", "Split", "Digits") for p in parts)
+    )
+
+
+def encode_ids(tok, texts: list[str], limit: int = PIECE_CHARS) -> list[np.ndarray]:
+    """The ids of each text (no special tokens added), int32: a text longer than `limit`
+    encoded in `pieces`, and the pieces given to the tokenizer BATCH_CHARS at a time (so one
+    huge text holds no more memory than a batch of short ones)."""
+    cut = [pieces(t, limit) for t in texts]
+    flat = [p for ps in cut for p in ps]
+    ids: list[np.ndarray] = []
+    start = 0
+    while start < len(flat):
+        stop, chars = start, 0
+        while stop < len(flat) and (stop == start or chars + len(flat[stop]) <= BATCH_CHARS):
+            chars += len(flat[stop])
+            stop += 1
+        enc = tok.encode_batch(flat[start:stop], add_special_tokens=False)
+        ids += [np.asarray(e.ids, dtype=np.int32) for e in enc]
+        del enc
+        start = stop
+    out, i = [], 0
+    for ps in cut:
+        out.append(ids[i] if len(ps) == 1 else np.concatenate(ids[i : i + len(ps)]))
+        i += len(ps)
+    return out
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, *, mlm: bool = False):
     """A byte-level BPE with one special token, <|endoftext|>, as EOS (mlm: also [CLS], which
-    opens every row, and [MASK])."""
+    opens every row, and [MASK]). A long text is learnt from in `pieces` (the same pre-tokens,
+    so the same merges, at a bounded memory)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -258,7 +344,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, mlm: bool = False):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator((p for t in texts for p in pieces(t)), trainer=trainer)
     return tok
 
 

@@ -56,14 +56,34 @@ def _meta_fields(meta: dict) -> dict:
     }
 
 
+def _damaged(d: Path, m: dict) -> list[str]:
+    """Files a (valid) manifest lists that are missing or not of the size it records: a stat
+    each, no checksum (`cache verify` reads them). An object-store cache is not checked (a
+    request per file)."""
+    if fs.is_url(d):
+        return []
+    entries = [f for sh in m["shards"] for f in sh["files"].items()] + list(m["files"].items())
+    bad = []
+    for rel, want in entries:
+        try:
+            size = (d / rel).stat().st_size
+        except OSError:
+            size = None
+        if size != want["bytes"]:
+            bad.append(rel)
+    return bad
+
+
 def _summary(d: Path) -> dict:
     row = {"fingerprint": d.name, "complete": (d / MANIFEST).exists(), "size_bytes": dir_bytes(d)}
+    damaged: list[str] = []
     try:
         if row["complete"]:
             m = read_json(d / MANIFEST, "manifest")
             validate_manifest(m, d)  # damaged: listed without its fields
             header, meta = m["header"], m.get("meta") or {}
             row.update(compression_ratio=m.get("compression_ratio"), created=m.get("created"))
+            damaged = _damaged(d, m)
         else:
             b = read_json(d / BUILD, "build file")
             header, meta = b["header"], b.get("meta") or {}
@@ -78,13 +98,31 @@ def _summary(d: Path) -> dict:
         dtype=header.get("dtype"),
         done_shards=done,
         total_shards=header.get("num_shards"),
+        damaged=damaged,
     )
+    if damaged:  # a manifest whose files are not all there is no complete cache
+        row["complete"] = False
     return row
+
+
+def damage_note(row: dict) -> str | None:
+    """What `cache ls` says under its table of a cache whose files are not all there."""
+    bad = row.get("damaged")
+    if not bad:
+        return None
+    k = row.get("boundary") if row.get("boundary") is not None else "K"
+    shown = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
+    return (
+        f"{row['fingerprint']}: damaged: {len(bad)} file(s) its manifest lists are missing or "
+        f"of the wrong size ({shown}); `preinfer cache verify {row['fingerprint']}` checks every "
+        f"shard, `preinfer cache build --block {k} --verify` rewrites the bad ones"
+    )
 
 
 def list_caches(root: str | Path) -> list[dict]:
     """One row per cache: fingerprint, boundary, model, tokens, split, N, dtype, size_bytes,
-    compression_ratio, complete, done_shards / total_shards, created."""
+    compression_ratio, complete, done_shards / total_shards, created, damaged (the files its
+    manifest lists that are missing or of the wrong size: then complete is False)."""
     return [_summary(d) for d in _cache_dirs(root)]
 
 
@@ -168,6 +206,8 @@ def _fmt(v) -> str:
         return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.3g}"
+    if isinstance(v, list):
+        return f"{len(v)} files" if v else "-"
     return str(v)
 
 

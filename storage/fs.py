@@ -115,7 +115,7 @@ def s3_options(cfg: StorageConfig) -> dict:
         "config_kwargs": {
             "connect_timeout": cfg.connect_timeout_s,
             "read_timeout": cfg.read_timeout_s,
-            "retries": {"max_attempts": cfg.retries, "mode": "standard"},
+            "retries": {"total_max_attempts": cfg.retries, "mode": "standard"},
         },
     }
     if cfg.endpoint_url:
@@ -153,7 +153,9 @@ def _make_filesystem(scheme: str):
         ) from None
     if scheme in S3_SCHEMES:
         fs = cls(**s3_options(_cfg))
-        fs.retries = max(1, _cfg.retries)  # s3fs's own retry loop around each call
+        # botocore makes the storage.retries attempts; s3fs's own loop around each call would
+        # multiply them (a read timeout is retried by both)
+        fs.retries = 1
         return fs
     return cls()
 

@@ -67,6 +67,20 @@ def wait_renewed(p, first: dict, timeout: float = 120.0) -> dict:
     return rec
 
 
+def wait_outlived(p, lengths: float, still=lambda: True, timeout: float = 300.0) -> dict:
+    """The lease record at `p` once its holder has renewed it more than `lengths` lease
+    lengths after it was acquired: it is live now only because it was renewed (a renewal at
+    t writes expires = t + lease_s), however slowly this machine ran meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rec = json.loads(p.read_text())
+        if rec["expires"] - rec["acquired"] > (lengths + 1) * rec["lease_s"]:
+            return rec
+        assert still(), f"the holder of {p} ended before renewing it"
+        assert time.monotonic() < deadline, f"lease {p} not renewed for {timeout:.0f} s: {rec}"
+        time.sleep(0.05)
+
+
 def test_an_open_cache_is_leased_renewed_and_spared_by_gc_until_closed(tmp_path):
     fp = build(tmp_path)
     said: list[str] = []
@@ -195,11 +209,14 @@ def _cli(*args: str, env=None, **kw) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # two CLI processes start (~1 min on 2 busy CPUs)
+@pytest.mark.functional
 def test_cache_gc_beside_a_training_process_spares_its_caches(tiny_run, tmp_path):
     """A real `preinfer train --block 1` process reads its caches (held at its 3rd batch, past
     two lease lengths, by the READ_GATE switch) while a real `preinfer cache gc` runs: the gc
     keeps both caches, the visit finishes; once it has ended, the next gc collects them."""
-    extra = ["cache.lease_s=1", "train.shuffle_buffer_mb=0.001"]  # one shard read at a time
+    # LEASE_S, not 1 s: the trainer's renewals must go on while gc's interpreter starts, and
+    # a 1 s lease expires at the first stall of a busy machine's renewal thread
+    extra = [f"cache.lease_s={LEASE_S:g}", "train.shuffle_buffer_mb=0.001"]  # a shard at a time
     cfg = tiny_run(*extra)
     sets = [*TINY, f"run.dir={cfg.run.dir}", *extra]
     fps = build_cache(cfg, 1, log=quiet)["fingerprints"]
@@ -213,7 +230,9 @@ def test_cache_gc_beside_a_training_process_spares_its_caches(tiny_run, tmp_path
         while not all(lease_files(root / fp) for fp in fps.values()):
             assert trainer.poll() is None and time.time() < deadline, trainer.stdout.read()
             time.sleep(0.2)
-        time.sleep(2.5)  # > 2 lease lengths: the leases are live only if renewed
+        for fp in fps.values():  # each lease outlived 2 of its lengths only by renewals
+            (f,) = lease_files(root / fp)
+            wait_outlived(f, lengths=2, still=lambda: trainer.poll() is None)
         gc = subprocess.run(
             [str(BIN / "preinfer"), "cache", "gc", "--config", "configs/demo.yaml", *args],
             cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -114,7 +114,7 @@ SLOW = [  # every other point of the commit and of the visit's state saves
 
 @pytest.mark.parametrize(
     "point, keep",
-    POINTS + [pytest.param(*p, marks=pytest.mark.slow) for p in SLOW],
+    POINTS + [pytest.param(*p, marks=[pytest.mark.slow, pytest.mark.functional]) for p in SLOW],
     ids=lambda v: v if isinstance(v, str) else ("keep" if v else "nokeep"),
 )
 def test_full_mode_killed_anywhere_resumes_to_the_same_bytes(tiny_base, tmp_path, reference,

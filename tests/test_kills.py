@@ -124,6 +124,16 @@ def test_a_writer_killed_inside_a_shard_write_resumes_to_the_same_bytes(
     assert open_cache(tmp_path / "a", "ab12cd34", lease_s=None).verify() == []
 
 
+def ray_worker(cmdline: str) -> bool:
+    """A process of a Ray instance that runs tasks and actors, or starts what does, by its
+    command line: a worker starts as default_worker.py and retitles itself ray::IDLE,
+    ray::<Actor>.<method>, ...; the raylet, which starts workers, names default_worker.py in
+    its arguments. The node's agents (ray::DashboardAgent, ray::RuntimeEnvAgent) run none."""
+    return "default_worker.py" in cmdline or (
+        cmdline.startswith("ray::") and not cmdline.split()[0].endswith("Agent")
+    )
+
+
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {
         str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()
@@ -132,6 +142,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.ray
 @pytest.mark.slow  # a driver process, then a rerun: two Ray starts (~1-2 min on 2 busy CPUs)
+@pytest.mark.functional
 def test_sigkill_of_the_build_driver_then_rerun_gives_a_clean_builds_bytes(
     tiny_run, tmp_path, monkeypatch
 ):
@@ -152,31 +163,46 @@ def test_sigkill_of_the_build_driver_then_rerun_gives_a_clean_builds_bytes(
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     family: dict[int, float] = {}  # the driver's descendants: its Ray instance and actors
+    names: dict[int, str] = {}  # their command lines, as last seen
+
+    def collect() -> None:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(driver.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    created, name = p.create_time(), " ".join(p.cmdline())
+                    if family.setdefault(p.pid, created) == created:  # not a reused pid
+                        names[p.pid] = name
+
     try:
         deadline = time.time() + 300
         while True:  # both actors have started shards and at least two are committed
             assert driver.poll() is None, driver.stdout.read()[-4000:]
             assert time.time() < deadline, "the build did not get going"
-            with contextlib.suppress(psutil.Error):
-                for p in psutil.Process(driver.pid).children(recursive=True):
-                    family.setdefault(p.pid, p.create_time())
+            collect()
             actors = {pid for pid, *_ in shard_log(log)}
             if len(actors) >= 2 and len(list(root.glob("*/done/*.json"))) >= 2:
                 break
             time.sleep(0.2)
-        with contextlib.suppress(psutil.Error):
-            for p in psutil.Process(driver.pid).children(recursive=True):
-                family.setdefault(p.pid, p.create_time())
+        collect()
         assert actors <= set(family), "the shard tasks ran outside the driver's Ray instance"
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait(timeout=60)
+        actors = {pid for pid, *_ in shard_log(log)}  # every process that started a shard
+        assert actors <= set(family), "a shard task ran outside the driver's Ray instance"
         killed_at = time.time()
         while alive({a: family[a] for a in actors}) and time.time() < killed_at + 60:
             time.sleep(0.5)
         assert not alive({a: family[a] for a in actors}), "the killed driver's actors live on"
         assert not all(is_complete(root, fp) for fp in fps.values()), "killed after the build"
         before = snapshot(root)
-        time.sleep(2.0)  # > a shard task (0.5 s delay + compute + write): an orphan would show
+        # the check below is meaningful once no process that could write is left, not after
+        # a guessed time: every Ray worker of the killed instance (the actors, any other
+        # worker that could take a task) and its raylet have exited, so the window below
+        # covers all the rest of their lives. Its agents outlive it (finally) but run no task
+        workers = {pid: t for pid, t in family.items() if pid in actors or ray_worker(names[pid])}
+        while alive(workers) and time.time() < killed_at + 120:
+            time.sleep(0.2)
+        assert not alive(workers), [names[p] for p in alive(workers)]
         assert snapshot(root) == before, "files changed after the driver and its actors died"
         done = len(list(root.glob("*/done/*.json")))
         total = sum(
@@ -202,6 +228,7 @@ def test_sigkill_of_the_build_driver_then_rerun_gives_a_clean_builds_bytes(
 
 @pytest.mark.ray
 @pytest.mark.slow  # two builds, one on Ray with an actor restart (~1 min on 2 busy CPUs)
+@pytest.mark.functional
 def test_an_actor_killed_inside_a_shard_write_gives_a_clean_builds_bytes(
     tiny_run, tmp_path, monkeypatch
 ):

@@ -48,6 +48,7 @@ def _sets(cfg) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.functional
 @pytest.mark.parametrize("dtype", LOSSY)
 def test_a_refresh_would_not_hold_the_build_bytes(tiny_run, tmp_path, dtype):
     """Why the refusal: what a refresh would store (block 1 run on the dequantized boundary 1,

@@ -172,14 +172,24 @@ def test_urls_stay_urls_and_options_are_checked(s3_run):
     assert fs.s3_options(StorageConfig(read_timeout_s=7.0))["config_kwargs"]["read_timeout"] == 7.0
 
 
-def _refused_within_20s(port: int, match: str, **timeouts) -> None:
-    """A store at 127.0.0.1:port, one attempt per request: StorageError `match`, in < 20 s."""
+UNREACHABLE = "cannot reach the object store at http://127"
+SILENT = "did not answer within storage.read_timeout_s"
+
+
+def _refused(port: int, match: str, retries: int = 1, **timeouts) -> list:
+    """A store at 127.0.0.1:port: StorageError `match`; the HTTP attempts it made (counted,
+    not timed: a count holds on a busy machine, a time bound does not)."""
     fs.configure(StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", key="testing",
-                               secret="testing", retries=1, **timeouts))  # fmt: skip
-    t0 = time.perf_counter()
-    with pytest.raises(fs.StorageError, match=match):
-        TokenStore.exists(f"s3://{BUCKET}/tokens")
-    assert time.perf_counter() - t0 < 20
+                               secret="testing", retries=retries, **timeouts))  # fmt: skip
+    attempts = []
+    try:
+        client = fs.filesystem("s3").s3  # every call of this configuration goes through it
+        client.meta.events.register("before-send.s3", lambda **kw: attempts.append(kw["request"]))
+        with pytest.raises(fs.StorageError, match=match):
+            TokenStore.exists(f"s3://{BUCKET}/tokens")
+    finally:
+        fs.configure(None)  # the next test must not reach this dead endpoint
+    return [(r.method, r.url) for r in attempts]
 
 
 def test_bad_inputs_are_clear_errors(s3, tmp_path):
@@ -192,15 +202,27 @@ def test_bad_inputs_are_clear_errors(s3, tmp_path):
         TokenStore("s3://")
     with pytest.raises(fs.StorageError, match="bucket 'no-such-bucket' does not exist"):
         Checkpoint.open("s3://no-such-bucket/ckpt")
-    _refused_within_20s(_free_port(), "cannot reach the object store at http://127",
-                        connect_timeout_s=1.0)  # fmt: skip
+    assert _refused(_free_port(), UNREACHABLE, connect_timeout_s=1.0)
     with _silent_server() as port:  # takes connections, never answers
-        _refused_within_20s(port, "did not answer within storage.read_timeout_s",
-                            read_timeout_s=0.5)  # fmt: skip
+        assert _refused(port, SILENT, read_timeout_s=0.5)
     # the CLI: one line, exit 2
     code = cli(["cache", "ls", "nosuch://x/y"])
     assert code == 2
     fs.configure(None)
+
+
+@pytest.mark.parametrize("retries", [1, 2])
+@pytest.mark.parametrize("server", ["refused", "silent"])
+def test_storage_retries_is_the_number_of_attempts(server, retries):
+    """storage.retries is the attempts per request (storage/config.py): retries=1 fails after
+    one HTTP request, not after a second one and a back-off: what bounds how long an
+    unreachable or silent store holds a command up (attempts x timeouts + back-offs)."""
+    if server == "refused":
+        attempts = _refused(_free_port(), UNREACHABLE, retries, connect_timeout_s=1.0)
+    else:
+        with _silent_server() as port:
+            attempts = _refused(port, SILENT, retries, read_timeout_s=0.5)
+    assert len(attempts) == retries, attempts
 
 
 # ------------------------------------------------------------------ tokens + checkpoint

@@ -140,6 +140,7 @@ def test_bad_run_options_are_refused(args, says, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.functional
 def test_arms_two_at_a_time_in_processes_of_their_own(tmp_path):
     """--jobs 2: arms run two at a time, each its own process (its own peak RSS), the parent
     answering both's evaluations; every run and its record land, in one table."""

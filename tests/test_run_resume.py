@@ -95,6 +95,7 @@ def _demo_args(run_dir, *extra) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.functional
 def test_a_killed_demo_resumes_to_the_weights_of_an_uninterrupted_one(tiny_base, tmp_path, capsys):
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     shutil.copytree(tiny_base, clean)

@@ -216,6 +216,7 @@ print("STEPS", res["steps"])
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.functional
 def test_ray_build_on_s3_with_credentials_leaves_them_nowhere(
     moto_server, tiny_run, no_aws_chain, request
 ):

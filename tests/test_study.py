@@ -177,6 +177,7 @@ def test_an_arm_of_another_seed_trains_from_that_seeds_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.functional
 def test_study_tiny_end_to_end(tmp_path):
     out = tmp_path / "study.json"
     # 2 lrs x (full, bcd, a variant): minutes on 2 busy CPUs

@@ -14,7 +14,7 @@ from pipelines.train import run_train
 from preinfer.checkpoint import Checkpoint
 from tests.pipeline_fixtures import quiet
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.functional]
 
 
 def losses(cfg):
