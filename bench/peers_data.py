@@ -64,7 +64,10 @@ class Scale:
     warmup_steps: int = 5
     """Linear warmup steps at the start of the run (bcd: of its rotation, train.schedule=run)."""
     eval_batches: int = 4
-    """Val batches of every evaluation: the first eval_batches x batch_size val rows."""
+    """Val batches of every evaluation: the first eval_batches x batch_size val rows (0 = the
+    whole val split)."""
+    data: str = "stdlib"
+    """The instruction set (DATASETS): stdlib docstrings, or the held-out site-packages ones."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     lrs: dict[str, list[float]] = field(
         default_factory=lambda: {
@@ -93,37 +96,61 @@ TINY = Scale(pairs=240, seq_len=96, batch_size=4, val_fraction=0.2, steps_per_vi
 # Data and models
 
 
+# the second instruction set (#41): docstrings of the third-party packages the default install
+# pins, a source the levers were not chosen on
+SITE_PACKAGES = ("numpy", "torch", "transformers", "datasets", "pyarrow", "ray", "zarr",
+                 "matplotlib", "fsspec")  # fmt: skip
+DATASETS = ("stdlib", "sitepkgs")
+
+
 def stdlib_pairs(n: int) -> list[dict]:
     """n prompt/response pairs from the docstrings of the stdlib's public top-level functions and
     classes (read with ast, nothing imported): "What does `mod.name` do?" -> the docstring's
     first paragraph (30-300 characters, no doctest). Ordered by a hash of the name, so the set
     mixes modules and is the same on every run of one Python version."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    return _doc_pairs([(root, root)], n, "the stdlib")
+
+
+def sitepkg_pairs(n: int) -> list[dict]:
+    """stdlib_pairs' rule over the SITE_PACKAGES installed here (their pinned versions): the
+    held-out instruction set."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    roots = [(site / p, site) for p in SITE_PACKAGES if (site / p).is_dir()]
+    return _doc_pairs(roots, n, f"site-packages ({', '.join(SITE_PACKAGES)})")
+
+
+def instruction_pairs(data: str, n: int) -> list[dict]:
+    return {"stdlib": stdlib_pairs, "sitepkgs": sitepkg_pairs}[data](n)
+
+
+def _doc_pairs(roots: list[tuple[Path, Path]], n: int, what: str) -> list[dict]:
     found: dict[str, str] = {}
-    for f in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        rel = f.relative_to(root)
-        parts = list(rel.with_suffix("").parts)
-        if SKIP_DIRS & set(rel.parts):
-            continue
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        if not parts or any(p.startswith("_") for p in parts):
-            continue
-        try:
-            tree = ast.parse(f.read_bytes())
-        except (SyntaxError, ValueError):
-            continue
-        for node in tree.body:
-            kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-            if not isinstance(node, kinds) or node.name.startswith("_"):
+    for top, base in roots:
+        for f in sorted(top.rglob("*.py"), key=lambda p: p.relative_to(base).as_posix()):
+            rel = f.relative_to(base)
+            parts = list(rel.with_suffix("").parts)
+            if SKIP_DIRS & set(rel.parts):
                 continue
-            doc = ast.get_docstring(node)
-            para = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
-            if 30 <= len(para) <= 300 and ">>>" not in para:
-                found.setdefault(f"{'.'.join(parts)}.{node.name}", para)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if not parts or any(p.startswith("_") for p in parts):
+                continue
+            try:
+                tree = ast.parse(f.read_bytes())
+            except (SyntaxError, ValueError):
+                continue
+            for node in tree.body:
+                kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+                if not isinstance(node, kinds) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                para = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+                if 30 <= len(para) <= 300 and ">>>" not in para:
+                    found.setdefault(f"{'.'.join(parts)}.{node.name}", para)
     names = sorted(found, key=lambda k: hashlib.sha256(k.encode()).hexdigest())[:n]
     if len(names) < n:
-        raise SystemExit(f"the stdlib gave {len(names)} docstring pairs, fewer than {n}")
+        raise SystemExit(f"{what} gave {len(names)} docstring pairs, fewer than {n}")
     return [{"prompt": PROMPT.format(question=f"What does `{k}` do?"), "response": found[k]}
             for k in names]  # fmt: skip
 
@@ -163,7 +190,9 @@ def common_overrides(sc: Scale, work: Path, model_dir: Path, jsonl: Path) -> lis
     """configs/finetune.yaml's --set overrides every arm shares (run.dir, seed and lr are the
     run's own)."""
     return [
-        "model.arch=llama", f"model.checkpoint={model_dir}", f"data.tokenizer={model_dir}",
+        # the model's own (tied) layout in every arm, whatever configs/finetune.yaml defaults to;
+        # a bcd variant unties with --bcd-set model.tie_embeddings=false
+        "model.arch=llama", "model.tie_embeddings=true", f"model.checkpoint={model_dir}", f"data.tokenizer={model_dir}",
         "data.format=prompt_response", f"data.source={jsonl}", "data.max_documents=null",
         f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
         f"data.out_dir={work / 'tokens'}", f"partition.num_blocks={sc.M}", f"cache.dtype={sc.cache_dtype}",
@@ -186,7 +215,7 @@ def prepare(sc: Scale, work: Path, model: str, log=print) -> dict:
     """The instruction data, the model dir, the token store and the init checkpoint (reused
     when --work already holds them), and the pretrained model's val loss (every arm's start)."""
     work.mkdir(parents=True, exist_ok=True)
-    pairs = stdlib_pairs(sc.pairs)
+    pairs = instruction_pairs(sc.data, sc.pairs)
     jsonl = work / "pairs.jsonl"
     sha = write_pairs(jsonl, pairs)
     if model == "tiny":

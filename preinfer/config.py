@@ -83,6 +83,8 @@ class Config:
         self.run.checkpoint = _absolute(self.run.checkpoint)
         self.cache.root = _absolute(self.cache.root)
 
+        if self.train.cache_visits is None:  # each visit of a round reads rows of its own
+            self.train.cache_visits = float(self.partition.num_blocks)
         resolve_objective(self.data, self.model.arch)  # data.objective null -> by model.arch
         fs.configure(self.storage)  # options of s3:// paths in this process (and Ray workers)
         set_codec_threads(self.cache.codec_threads)

@@ -29,8 +29,8 @@ class TrainConfig:
     """Passes of the rotation over all M blocks (bcd modes)."""
     order: Literal["ascending", "descending", "random"] = "ascending"
     """Blocks per round (bcd modes; full ignores it): 0..M-1; M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's); random = a permutation per round seeded by (train.seed, round), as BAdam offers."""
-    always_train: list[Literal["head"]] = dataclasses.field(default_factory=list)
-    """Parts that train in every bcd visit besides its block: head = the final norm and an untied LM head (block M-1's; a tied head matrix stays block 0's), their optimizer state kept with block M-1's. They follow every cached prefix: no cache is invalidated."""
+    always_train: list[Literal["head"]] = dataclasses.field(default_factory=lambda: ["head"])
+    """Parts that train in every bcd visit besides its block: head = the final norm and an untied LM head (block M-1's; a tied head matrix stays block 0's), their optimizer state kept with block M-1's. They follow every cached prefix: no cache is invalidated. Default [head]: the measured best in pretraining and fine-tuning (docs/quality.md, docs/economics.md); [] = the block alone."""
     suffix_rank: int = 0
     """bcd modes: rank r of LoRA adapters (W x + alpha/r B A x; B starts at 0) on the layer linears of blocks K+1..M-1 (train.suffix_modules; never the embedding or the LM head), trained in the same backward as block K and merged into those blocks at the visit's commit, as BREAD does; they follow block K, so no cache is invalidated. 0 = off; full ignores it (preinfer/suffix.py)."""
     suffix_lr: float | None = None
@@ -59,8 +59,8 @@ class TrainConfig:
     """Steps per block visit (bcd) or in total (full): the cap of the visit's budget."""
     epochs: float | None = 1.0
     """Passes over a visit's rows; rows = min(train x sample_fraction, max_steps x batch / epochs), and only those are cached. null = cache every sampled row, train max_steps."""
-    cache_visits: float = 1.0
-    """Rows a round samples, in visits' worth (a visit reads max_steps x batch / epochs rows): 1 = every visit of the round reads the same rows (the smallest cache); the block count M = each visit reads rows of its own, where the train split holds them. Visits read successive windows of the round's rows; a boundary caches the windows of the visits it serves (ascending: M-K at boundary K)."""
+    cache_visits: float | None = None
+    """Rows a round samples, in visits' worth (a visit reads max_steps x batch / epochs rows): null = the block count M (the measured best: each visit reads rows of its own, where the train split holds them); 1 = every visit of the round reads the same rows (the smallest cache). Visits read successive windows of the round's rows; a boundary caches the windows of the visits it serves (ascending: M-K at boundary K)."""
     batch_size: int = 16
     """Global batch size in sequences (split evenly over workers)."""
     grad_clip: float = 1.0
@@ -103,7 +103,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if not self.cache_visits >= 1:
+        if self.cache_visits is not None and not self.cache_visits >= 1:
             raise ConfigError(
                 f"train.cache_visits must be >= 1 visits' worth of rows per round (1 = every "
                 f"visit reads the same rows), got {self.cache_visits}"

@@ -74,7 +74,12 @@ def test_readme_tour_runs_from_your_own_data_to_a_transformers_model(tmp_path):
     bcd = next(m for m in makes if m.split()[1] == "bcd")
     extra = shlex.split(bcd.replace("$MINE", ""))[2].partition("=")[2].split()
     said = dict(s.split("=", 1) for s in mine.split() + extra)
-    assert {"train.rounds", "train.epochs", "model.num_layers", "data.seq_len"} <= set(said)
+    assert {"train.rounds", "model.num_layers", "data.seq_len"} <= set(said)
+    # the path runs the recommended settings without flags (#42): head in every visit, each
+    # visit its own rows, an untied head
+    assert ran["train"]["always_train"] == ["head"]
+    assert ran["train"]["cache_visits"] == ran["partition"]["num_blocks"]
+    assert ran["model"]["tie_embeddings"] is False
     for key, want in said.items():
         section, name = key.split(".")
         if section != "run":

@@ -45,8 +45,10 @@ def budget(*sets, n_train=1000):
 
 
 def test_cache_visits_sizes_the_rounds_rows_and_the_windows():
-    one = budget("train.max_steps=10", "train.batch_size=4")
+    one = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=1")
     assert (one.rows, one.visit_rows, one.steps) == (40, 40, 10)
+    default = budget("train.max_steps=10", "train.batch_size=4")  # null -> M (demo: 3)
+    assert (default.rows, default.visit_rows) == (120, 40)
     assert [visit_window(one, p) for p in range(3)] == [(0, 40)] * 3  # today's: the same rows
     three = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=3")
     assert (three.rows, three.visit_rows, three.steps, three.passes) == (120, 40, 10, 1.0)
