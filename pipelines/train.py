@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 
 from core.config import ConfigError
 from pipelines.ray_env import (
@@ -29,7 +28,6 @@ from pipelines.ray_env import (
 )
 from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import CheckpointError
 from preinfer.config import Config
 from preinfer.device import resolve_device, training_precision
 from preinfer.guards import check_vocab, warn_trainer_memory
@@ -38,7 +36,6 @@ from preinfer.provenance import check_settings
 from preinfer.run_state import check_run, checkpoint_record, load_run_state, save_run_state
 from preinfer.visit import Visit, VisitHooks, VisitSpec, state_path
 from preinfer.visit_state import load_state
-from storage import fs
 from storage.tokens import TokenStore
 
 
@@ -61,30 +58,6 @@ def visit_spec(
             )
         spec.cache_train, spec.cache_val = plans["train"].fingerprint, plans["val"].fingerprint
     return spec
-
-
-def check_block_files(ckpt: Checkpoint, blocks) -> None:
-    """Refuse (CheckpointError) when a block file the visit loads is missing or damaged
-    (truncated, not safetensors): its header is read, not its tensors, so this costs a stat
-    and a few KB a block; the visit checks the hashes as it loads. Object-store checkpoints
-    are left to the visit (a request per file)."""
-    if fs.is_url(ckpt.path):
-        return
-    for b in blocks:
-        path = ckpt.block_file(b)
-        fix = (
-            "the checkpoint is damaged: restore the file, or re-create the checkpoint with "
-            "`preinfer init --force` (its trained weights are lost)"
-        )
-        if not path.is_file():
-            raise CheckpointError(f"block {b}'s file {path} is missing; {fix}")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                f.keys()
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(
-                f"block {b}'s file {path} is damaged (cut short or overwritten: {e}); {fix}"
-            ) from None
 
 
 def cpus_per_worker(cfg: Config) -> float:
@@ -190,7 +163,7 @@ def run_train(
     check_settings(cfg, "train", tokens=store.manifest, checkpoint=ckpt.index)
     # a damaged block file is named before anything else is said of the visit (a missing cache,
     # say: building one would not mend it)
-    check_block_files(ckpt, range(block if mode == "bcd" else 0, ckpt.num_blocks))
+    ckpt.check_files(range(block if mode == "bcd" else 0, ckpt.num_blocks))
     spec = visit_spec(cfg, block, round_, mode, caches)
     if memory_check:
         log(f"  training precision: {precision_line(cfg)}")

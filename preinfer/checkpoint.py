@@ -311,6 +311,29 @@ class Checkpoint:
             )
         return entry["optimizer"], tensors
 
+    def check_files(self, blocks: Iterable[int]) -> None:
+        """The cheap check beside `verify`: refuse (CheckpointError) when a block file the
+        caller will load is missing or damaged (truncated, not safetensors). Its header is
+        read, not its tensors (a stat and a few KB a block); loading checks the hashes.
+        Object-store checkpoints are left to the load (a request per file)."""
+        if fs.is_url(self.path):
+            return
+        fix = (
+            "the checkpoint is damaged: restore the file, or re-create the checkpoint with "
+            "`preinfer init --force` (its trained weights are lost)"
+        )
+        for b in blocks:
+            path = self.block_file(b)
+            if not path.is_file():
+                raise CheckpointError(f"block {b}'s file {path} is missing; {fix}")
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    f.keys()
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(
+                    f"block {b}'s file {path} is damaged (cut short or overwritten: {e}); {fix}"
+                ) from None
+
     def verify(self) -> None:
         """Read every block file (and kept optimizer state) and check its hash (raises
         CheckpointError naming the block)."""
