@@ -28,6 +28,8 @@ from preinfer.memory import (
 from preinfer.model_shape import model_shape
 from preinfer.partition import partition_layers
 from preinfer.writer_budget import format_writer, writer_plan
+from storage.layout import free_disk_bytes
+from storage.tokens import TokenStore
 
 # BCD/full step multipliers (BCD steps to full's best val ppl / full's), measured by bench.study
 # when pretraining from a config with 48-step visits, the head in every visit, schedule run and
@@ -38,8 +40,11 @@ MEASURED_BF = {
     ("llama", False, 3): (1.18, 1.33, "study-small-20261202-llama-visit-steps-48.json"),
     ("llama", False, 6): (1.19, 1.38, "study-small-20261202-llama-M6-visit-steps-48-idle.json"),
     ("gpt2", False, 3): (1.33, 1.76, "study-small-20261202-gpt2-untied-visit-steps-48-idle.json"),
-    ("gpt2", False, 6): (1.16, 2.12,
-                         "study-small-20261202-gpt2-untied-M6-visit-steps-48-idle.json"),
+    ("gpt2", False, 6): (
+        1.16,
+        2.12,
+        "study-small-20261202-gpt2-untied-M6-visit-steps-48-idle.json",
+    ),
     ("gpt2", True, 3): (3.0, 3.0, "study-small-20261202-gpt2-tied-visit-steps-48.json"),
 }
 PAPER_BF = (1.39, 2.89)
@@ -53,8 +58,7 @@ def step_multipliers(arch: str, tied: bool, M: int, finetune: bool) -> tuple[flo
         why = "fine-tuning" if finetune else f"{arch} {'tied' if tied else 'untied'} M={M}"
         return *PAPER_BF, f"the paper's Adam figures (no measurement of ours for {why})"
     return got[0], got[1], f"measured, bench/results/{got[2]} (docs/quality.md)"
-from storage.layout import free_disk_bytes
-from storage.tokens import TokenStore
+
 
 # ---------------------------------------------------------------------------- the plan
 

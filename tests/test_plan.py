@@ -411,7 +411,7 @@ def test_planner_prices_bcd_with_our_measured_multipliers():
     from preinfer.plan import MEASURED_BF, PAPER_BF, step_multipliers
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results"
-    for (arch, tied, M), (avg, worst, name) in MEASURED_BF.items():
+    for (arch, tied, _m), (avg, worst, name) in MEASURED_BF.items():
         vals = _bf_values(json.loads((root / name).read_text()))
         if (arch, tied) == ("gpt2", True):  # a floor: not reached on 2 of 3 seeds
             assert avg == worst == 3.0
