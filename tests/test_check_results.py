@@ -1,0 +1,95 @@
+"""bench/check_results.py (issue #42): every figure of README's Results table is in the results
+file its row names. On the real README it must pass; a wrong figure, a missing file, a "met"
+that the figure misses and a median over too few seeds must each fail, naming the row."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from bench import check_results
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+HEAD = "| measure | result | seeds / runs | target | status | doc, results |\n|---|---|---|---|---|---|\n"
+PEERS = "peers-20261203-suffix16-s0.json"  # a peers JSON: its "targets" and "runs"
+
+
+def _table(*rows: str) -> str:
+    return "# x\n\n## Results\n\nintro\n\n" + HEAD + "".join(r + "\n" for r in rows) + "\n## Next\n"
+
+
+def _row(measure: str, result: str, seeds: str, target: str, status: str, src: str) -> str:
+    return f"| {measure} | {result} | {seeds} | {target} | {status} | {src} |"
+
+
+def test_the_readme_results_agree_with_their_files(capsys):
+    assert check_results.check(README) == []
+    assert check_results.run([]) == 0
+    assert "is in its results file" in capsys.readouterr().out
+    rows = check_results.rows(README)
+    assert 1 <= len(rows) <= check_results.MAX_ROWS
+
+
+def test_a_wrong_figure_fails_naming_its_row():
+    first = check_results.rows(README)[0]
+    figure = check_results.NUM.findall(first["result"].replace("*", ""))[0]
+    wrong = README.replace(f"| **{figure}** |", "| **1.3579** |", 1)  # still meets its target
+    assert wrong != README
+    problems = check_results.check(wrong)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("row 1 (") and "1.3579 is in none of" in problems[0]
+
+
+def test_a_missing_results_file_fails_naming_its_row(tmp_path):
+    name = check_results.FILE.findall(" ".join(check_results.rows(README)[0].values()))[0]
+    gone = README.replace(name, "no-such-run-20990101.json")
+    problems = check_results.check(gone)
+    named = re.compile(r"row \d+ \(.*\): results file bench/results/no-such-run")
+    assert any(named.match(p) for p in problems), problems
+    # and the CLI says so with a non-zero exit
+    readme = tmp_path / "README.md"
+    readme.write_text(gone)
+    assert check_results.run(["--readme", str(readme)]) == 1
+
+
+def test_a_peers_row_met_missed_and_seed_counts(tmp_path):
+    """A row on a peers JSON (the #41 row's kind); the status must follow the figure and the
+    target; a median over fewer than half the seeds reached is 'not reached'."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "bench" / "results" / PEERS, tmp_path / "bench" / "results" / PEERS)
+    (tmp_path / "docs" / "economics.md").write_text(f"# E\n\n## Issue #41: the lever\n\n{PEERS}\n")
+    src = f"[economics.md](docs/economics.md#issue-41-the-lever), [json](bench/results/{PEERS})"
+    lora = "bcd val loss at LoRA's wall-clock / LoRA's final"
+    good = _row(lora, "**1.134**", "1 of 1 reached", "≤ 1.0", "missed", src)
+    assert check_results.check(_table(good), tmp_path) == []
+    rss = _row("bcd peak RSS / LoRA's", "1.233", "1 seed", "≤ 1.0", "missed", src)
+    assert check_results.check(_table(good, rss), tmp_path) == []
+
+    bad = [
+        _row(lora, "1.134", "1 of 1 reached", "≤ 1.0", "met", src),  # 1.134 misses <= 1.0
+        _row(lora, "1.13", "2 of 2 reached", "≤ 1.0", "missed", src),  # no 2-of-2 summary
+        _row(lora, "1.134", "1 of 2 reached", "≤ 1.2", "met", src),  # median not reached
+        _row(lora, "1.134; 1.233", "1 seed", "≤ 1.0", "missed", src),  # two numbers in a cell
+        _row(lora, "1.134", "1 seed", "≤ 1.0", "missed", src.replace("the-lever", "nope")),
+    ]
+    problems = check_results.check(_table(good, *bad), tmp_path)
+    by_row = {int(p.split()[1]): p for p in problems}
+    assert sorted(by_row) == [2, 3, 4, 5, 6], problems
+    assert "status 'met', but 1.134 ≤ 1.0 is missed" in by_row[2]
+    assert "'2 of 2' is in none of" in by_row[3]
+    assert "median over all seeds is 'not reached'" in by_row[4]
+    assert "one number" in by_row[5]
+    assert "no heading #issue-41-nope" in by_row[6]
+
+    (tmp_path / "docs" / "economics.md").write_text("# E\n\n## Issue #41: the lever\n")
+    assert any("does not name " + PEERS in p for p in check_results.check(_table(good), tmp_path))
+
+
+def test_too_many_rows_fail():
+    row = check_results.rows(README)[0]
+    line = "| " + " | ".join(row.values()) + " |"
+    problems = check_results.check(_table(*[line] * (check_results.MAX_ROWS + 1)))
+    assert f"at most {check_results.MAX_ROWS}" in problems[0]
