@@ -1,6 +1,10 @@
-"""The stages (one module each, thin: build from config, run), the rotation and the `preinfer`
-command line (pipelines/cli.py). Builds run in this process or on a pool of Ray actors, visits in
-this process or under Ray Train; the same commands work locally and as Ray cluster jobs.
+"""The stages, one module each, and the `preinfer` command line (pipelines/cli.py). init, eval,
+export and report are thin over preinfer/ (config in, the library's work, records out); the
+others hold logic of their own: tokenize (scan the corpus, reuse or refuse the store, train
+the tokenizer, pack and write it: one long `run_tokenize`), cache build and refresh (plan the
+shards, drive the workers), train (Ray Train workers) and bcd (the rotation and its resume).
+Builds run in this process or on a pool of Ray actors, visits in this process or under Ray
+Train; the same commands work locally and as Ray cluster jobs.
 
 Public surface: the stage functions, as the CLI and the benchmarks call them.
 """

@@ -12,7 +12,6 @@ the content key that says whether two checkpoints are "the same".
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import uuid
@@ -32,8 +31,7 @@ from core.fingerprint import hash_obj, tensors_hash
 from preinfer.adapters import Adapter
 from preinfer.modeling import ModelConfig
 from preinfer.partition import Partition
-from storage import fs
-from storage.atomic import as_os_error
+from storage import atomic, fs
 
 FORMAT = "preinfer-checkpoint"
 FORMAT_VERSION = 1
@@ -49,60 +47,49 @@ class CheckpointExists(CheckpointError):
     """init found a different checkpoint (other config, partition or trained weights) there."""
 
 
-# ---- small atomic-write helpers (same pattern as storage/atomic.py, no storage import) ----
+# ---- the writers: storage/atomic.py's write, with the checkpoint's own temp names ----
 
 
 def _tmp_beside(path: Path) -> Path:
+    """A checkpoint file's temp: hidden, and matched by `_PARTIAL` (what `_sweep` deletes)."""
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    if fs.is_url(path):  # one PUT: atomic on an object store
-        fs.put(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-        return
-    tmp = _tmp_beside(path)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        faults.kill_point("checkpoint.index_tmp")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    """checkpoint.json, whole: temp, fsync, rename, fsync of the directory (the commit is
+    durable once this returns); one PUT on an object store."""
+    atomic.write_file(
+        path,
+        lambda f: f.write(atomic.json_bytes(obj)),
+        tmp_name=_tmp_beside,
+        before_replace=lambda: faults.kill_point("checkpoint.index_tmp"),
+        fsync_dir=True,
+    )
 
 
 def _write_block_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    if fs.is_url(path):  # one PUT: atomic on an object store
-        fs.put(path, save_safetensors({k: v.contiguous() for k, v in tensors.items()}, meta))
+    """A block's weights or optimizer state as one .safetensors file (temp, fsync, rename);
+    one PUT on an object store. safetensors' I/O errors (a full disk) come out as OSErrors."""
+    state = {k: v.contiguous() for k, v in tensors.items()}
+    if fs.is_url(path):
+        fs.put(path, save_safetensors(state, meta))
         return
-    tmp = _tmp_beside(path)
-    try:
+
+    def save(f) -> None:  # save_file writes by path: to f's, the open temp file
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+            save_file(state, f.name, metadata=meta)
         except SafetensorError as e:  # its I/O errors (disk full...) are not OSErrors
-            err = as_os_error(e, path)
+            err = atomic.as_os_error(e, path)
             if err is None:
                 raise
             raise err from e
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        faults.kill_point("checkpoint.file_tmp")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    atomic.write_file(
+        path,
+        save,
+        tmp_name=_tmp_beside,
+        before_replace=lambda: faults.kill_point("checkpoint.file_tmp"),
+    )
 
 
 _PLAIN_BLOCK_FILE = re.compile(r"block_[0-9]+-[0-9a-f]+\.safetensors")

@@ -9,7 +9,6 @@ layout is described; the format helpers it uses are in preinfer/checkpoint_forma
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from preinfer.checkpoint_format import (
     _content_key,
     _cpu_state,
     _files,
-    _fsync_dir,
     _make_index,
     _write_block_file,
     _write_json_atomic,
@@ -32,7 +30,7 @@ from preinfer.checkpoint_format import (
 )
 from preinfer.modeling import ModelConfig, build_model
 from preinfer.partition import block_tensor_names, partition_model
-from storage import fs
+from storage import atomic, fs
 
 
 def build_blocks(model_cfg: ModelConfig, num_blocks: int) -> tuple[dict, list[dict]]:
@@ -106,23 +104,28 @@ def init_checkpoint(
             "(or an interrupted copy of one); remove it or choose another directory"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial"
-    tmp.mkdir()
-    try:
+
+    def fill(tmp: Path) -> None:
         for blk, state in zip(index["blocks"], states, strict=True):
             _write_block_file(tmp / blk["file"], state, {"hash": blk["hash"]})
         _write_json_atomic(tmp / INDEX, index)
-        os.replace(tmp, out)  # onto a missing or empty directory: atomic on POSIX
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:  # the parent's fsync is below, outside: a failing one is no lost race
+        atomic.write_dir(out, fill, tmp_name=_tmp_dir, fsync_dir=False)
+    except OSError:
         # a concurrent init of the same config won the rename: its checkpoint is ours
-        if isinstance(e, OSError) and (out / INDEX).is_file():
+        if (out / INDEX).is_file():
             winner = Checkpoint.open(out)
             if _content_key(winner.index) == _content_key(index):
                 return winner
         raise
-    _fsync_dir(out.parent)
+    atomic.fsync_path(out.parent)
     return Checkpoint.open(out)
+
+
+def _tmp_dir(out: Path) -> Path:
+    """The hidden temp directory a new checkpoint is written into, beside `out`."""
+    return out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial"
 
 
 def _init_remote(out, index: dict, states: list[dict[str, torch.Tensor]]) -> Checkpoint:

@@ -37,6 +37,7 @@ from pathlib import Path
 from core.config import ConfigError
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_format import CheckpointError
+from preinfer.modeling import quiet_transformers
 from preinfer.tokenization import SPECIAL_EOS, load_tokenizer
 from storage import fs
 
@@ -192,22 +193,6 @@ def _keep_user_ids(model, ids: dict, hf_model: Path | None) -> None:
         )
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """No progress bars or load reports from transformers while saving."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def _load_full(ckpt: Checkpoint):
     """Every block, read and hash-checked; the transformers model in fp32 on CPU."""
     arch = ckpt.index["arch"]
@@ -317,7 +302,7 @@ def export_hf(ckpt: Checkpoint, tokenizer_path: str | Path, out: str | Path, *,
     tmp = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}.partial")
     try:
         tmp.mkdir()
-        with _quiet_transformers():
+        with quiet_transformers(progress_bars=False):
             model.save_pretrained(tmp, safe_serialization=True)
             if causal and not (tmp / "generation_config.json").is_file():
                 model.generation_config.save_pretrained(tmp)

@@ -352,16 +352,21 @@ def _params_on_meta():
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
-    """Silence HF's load report (we record missing/unused tensors ourselves)."""
+def quiet_transformers(*, progress_bars: bool = True):
+    """transformers logs errors only while active: no load report (we record missing/unused
+    tensors ourselves) nor save report; progress_bars=False: no progress bars either."""
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    if not progress_bars:
+        hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars and not progress_bars:
+            hf_logging.enable_progress_bar()
 
 
 def build_model(
@@ -400,7 +405,7 @@ def build_model(
             model = _build_sequential(cfg)
         elif cfg.checkpoint is not None and hf_config is None:
             path = resolve_checkpoint_path(cfg.checkpoint)
-            with _quiet_transformers():
+            with quiet_transformers():
                 model, loading = _hf_class(cfg.arch, hf.model_type).from_pretrained(
                     path,
                     config=hf,

@@ -29,33 +29,39 @@ from core import faults
 from core.config import ConfigError
 from preinfer.checkpoint import Checkpoint
 from preinfer.guards import token_changes
+from storage import atomic
 
 STATE_VERSION = 2  # 2: "tokens" (the token store's record); 1: none
 
 
 def save_state(path: Path, state: dict) -> None:
+    """Save the visit's state at `path` atomically (temp `<stem>.partial-<pid>`, fsync,
+    rename); a full disk is an OSError naming `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".partial-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            try:
-                torch.save({"version": STATE_VERSION, **state}, f)
-            except RuntimeError as e:  # torch wraps the file's OSError (a full disk: ENOSPC)
-                if not isinstance(e.__context__, OSError):
-                    raise
-                raise OSError(e.__context__.errno, e.__context__.strerror, str(path)) from e
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    faults.kill_point("visit.state_tmp")
-    os.replace(tmp, path)
+
+    def save(f) -> None:
+        try:
+            torch.save({"version": STATE_VERSION, **state}, f)
+        except RuntimeError as e:  # torch wraps the file's OSError (a full disk: ENOSPC)
+            if not isinstance(e.__context__, OSError):
+                raise
+            raise OSError(e.__context__.errno, e.__context__.strerror, str(path)) from e
+
+    atomic.write_file(
+        path,
+        save,
+        tmp_name=_tmp,
+        before_replace=lambda: faults.kill_point("visit.state_tmp"),
+    )
     faults.kill_point("visit.state")
 
 
+def _tmp(path: Path) -> Path:
+    return path.with_suffix(f".partial-{os.getpid()}")
+
+
 def drop_state(path: Path) -> None:
-    """The visit's mid-block state and the temps of saves a kill interrupted."""
+    """The visit's mid-block state and the temps (`_tmp`) of saves a kill interrupted."""
     for p in [path, *path.parent.glob(f"{path.stem}.partial-*")]:
         p.unlink(missing_ok=True)
 

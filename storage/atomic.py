@@ -1,4 +1,20 @@
-"""File helpers. Atomic writes: write to `<name>.<host>.<pid>.<token>.partial`, fsync, os.replace.
+"""File helpers: the one atomic write of the project, checksums, and reads into buffers.
+
+Atomic writes: a temp file beside the target (by default `<name>.<host>.<pid>.<token>.partial`,
+`partial_path`), fsync'd, then os.replace'd onto the target. The file writes of the cache,
+the checkpoint, the visit state, state.json and the leases all go through here:
+    write_bytes / write_json   bytes or canonical JSON (the cache's shards, markers, manifest,
+                               state.json, ...)
+    write_aside + commit       the same in two steps, for a multi-file write that renames its
+                               temps only once all are written (a cache shard)
+    write_file                 a writer callback on the open temp file (torch.save, a lease, a
+                               checkpoint's JSON index; safetensors' save_file writes to its
+                               `.name`), with the caller's temp name, a hook just before the
+                               rename (a test's kill point) and an fsync of the directory after
+    write_dir                  a whole directory, filled aside and renamed onto a missing or
+                               empty target (a new checkpoint)
+If any step fails the temp is removed and the error raised; the target keeps its old bytes.
+
 Checksums: xxh3_128 (fast: ~tens of GB/s, so every read can be verified); entries written as
 {"bytes": n, "checksum": {"algo": "xxh3_128", "value": hex}}; legacy {"sha256": hex} entries
 still verify.
@@ -11,21 +27,25 @@ temp file; the last os.replace wins. Leftover temp files of dead writers are rem
 
 Object-store URLs (s3://..., see storage/fs.py) take the same calls: an object PUT is atomic,
 so `write_aside` only prepares the bytes, `commit` PUTs them to the final key (never a temp
-key, so no half object and no leftover is ever visible), and `clean_partials` has nothing to do.
+key, so no half object and no leftover is ever visible), `write_file` PUTs what its writer
+wrote into memory, and `clean_partials` has nothing to do.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
+import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import xxhash
@@ -75,12 +95,49 @@ class PendingPut:
 HASH_CHUNK = 1 << 20  # bytes hashed then written at a time: the kernel copies them from cache
 
 
+def fsync_path(path: str | Path) -> None:
+    """fsync a file, or a directory (so the renames in it survive a crash), by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_temp(tmp: Path, write: Callable[[BinaryIO], object], fsync: bool) -> Path:
+    """`write(f)` on `tmp` opened "wb", then (fsync) flush and fsync through the same handle;
+    if either fails, the temp is removed and the error raised as it came."""
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _write_parts(f: BinaryIO, data: Buffer | list[Buffer], digest) -> None:
+    for part in _parts(data):
+        if digest is None:
+            f.write(part)
+            continue
+        view = memoryview(part).cast("B")
+        for o in range(0, len(view), HASH_CHUNK):
+            digest.update(view[o : o + HASH_CHUNK])
+            f.write(view[o : o + HASH_CHUNK])
+
+
 def write_aside(
     path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = True, digest=None
 ) -> Path | PendingPut:
     """Write `data` (one buffer, or a list written back to back) to a fresh temp file next to
-    `path` (fsync'd unless fsync=False); returns the temp path for `commit` (or `discard`).
-    For a URL nothing is written yet: the joined bytes wait for `commit`'s single PUT.
+    `path` (fsync'd unless fsync=False; `path`'s directory is created if missing); returns the
+    temp path for `commit` (or `discard`). An OSError that names no file (a full disk on write
+    or fsync) is raised naming `path`. For a URL nothing is written yet: the joined bytes wait
+    for `commit`'s single PUT.
 
     digest: a hasher (`hasher()`) updated with every byte written, HASH_CHUNK bytes at a time
     just before each is written, so the data is read from memory once for both."""
@@ -91,41 +148,36 @@ def write_aside(
         return PendingPut(blob)
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(p)
     try:
-        with open(tmp, "wb") as f:
-            for part in _parts(data):
-                if digest is None:
-                    f.write(part)
-                    continue
-                view = memoryview(part).cast("B")
-                for o in range(0, len(view), HASH_CHUNK):
-                    digest.update(view[o : o + HASH_CHUNK])
-                    f.write(view[o : o + HASH_CHUNK])
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        return _write_temp(partial_path(p), lambda f: _write_parts(f, data, digest), fsync)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         if e.filename is None:  # a full disk on write / fsync: say which file it was
             raise OSError(e.errno, e.strerror, str(p)) from e
         raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
 
 
-def commit(tmp: Path | PendingPut, path: str | Path) -> None:
-    """Rename a `write_aside` temp file onto `path`, or PUT its bytes to the URL (atomic)."""
+def commit(
+    tmp: Path | PendingPut,
+    path: str | Path,
+    *,
+    before: Callable[[], object] | None = None,
+    fsync_dir: bool = False,
+) -> None:
+    """Rename a temp file onto `path`, or PUT a `PendingPut`'s bytes to the URL (atomic).
+    before: called just before the rename (inside it: if it raises, the temp is removed);
+    fsync_dir: fsync `path`'s directory after the rename, so the rename itself is durable."""
     if isinstance(tmp, PendingPut):
         fs.put(path, tmp.data)
         return
     try:
+        if before is not None:
+            before()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if fsync_dir:
+        fsync_path(Path(path).parent)
 
 
 def discard(tmp: Path | PendingPut) -> None:
@@ -137,6 +189,61 @@ def write_bytes(path: str | Path, data: Buffer | list[Buffer], *, fsync: bool = 
     """Write `data` (one buffer, or a list written back to back) to `path` atomically
     (temp file, fsync unless fsync=False, os.replace)."""
     commit(write_aside(path, data, fsync=fsync), path)
+
+
+def write_file(
+    path: str | Path,
+    write: Callable[[BinaryIO], object],
+    *,
+    tmp_name: Callable[[Path], Path] = partial_path,
+    fsync: bool = True,
+    before_replace: Callable[[], object] | None = None,
+    fsync_dir: bool = False,
+) -> None:
+    """Write `path` atomically with `write(f)`, `f` its temp file opened "wb" (a writer that
+    wants a path, like safetensors' save_file, writes to `f.name`, the same file).
+
+    tmp_name: the temp's path from `path` (default `partial_path`; a caller whose sweep knows
+    its own temps names them); fsync: the temp's bytes, through `f`, before the rename;
+    before_replace: called just before the rename; fsync_dir: `path`'s directory after it.
+    Never creates `path`'s directory (FileNotFoundError if it is gone). Any failure removes
+    the temp and is raised as it came; `path` keeps its old bytes.
+
+    A URL: `write` fills an in-memory buffer, PUT to `path` whole (one PUT: atomic); tmp_name,
+    fsync, before_replace and fsync_dir do not apply."""
+    if fs.is_url(path):
+        buf = io.BytesIO()
+        write(buf)
+        fs.put(path, buf.getvalue())
+        return
+    p = Path(path)
+    tmp = _write_temp(tmp_name(p), write, fsync)
+    commit(tmp, p, before=before_replace, fsync_dir=fsync_dir)
+
+
+def write_dir(
+    path: str | Path,
+    fill: Callable[[Path], object],
+    *,
+    tmp_name: Callable[[Path], Path] = partial_path,
+    fsync_dir: bool = True,
+) -> None:
+    """Create directory `path` atomically: `fill(tmp)` writes its files into a fresh temp
+    directory beside it (tmp_name(path)), renamed onto `path`, which must be missing or empty
+    (atomic on POSIX); then `path`'s parent is fsync'd (unless fsync_dir=False). `fill` makes
+    its own files durable (write_file, and an fsync of the temp directory after its last one).
+    Any failure removes the temp directory and is raised as it came. Local paths only."""
+    p = Path(path)
+    tmp = tmp_name(p)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if fsync_dir:
+        fsync_path(p.parent)
 
 
 _io_pool: tuple[int, ThreadPoolExecutor] | None = None

@@ -1,11 +1,12 @@
-"""The activation cache writer (see DESIGN.md, "The activation cache (contract)").
+"""The activation cache writer (the format and its contract: docs/cache_format.md).
 
     <root>/<fingerprint>/
       hidden.zarr/        Zarr v3 [N, S, H]; chunk (1, S, H); shard (R, S, H), R from shard_mb
       scale.zarr/         [N, S] float32 per-token scales (lossy dtypes only)
       samples.parquet     sample_id int64, input_ids list<int32> [S], labels list<int32> [S];
                           one row group per shard (R rows), so a shard's labels are one read
-      build.json          the caller's meta at creation (informational, for `cache ls`)
+      build.json          header + the caller's meta at creation (what `CacheWriter.open`
+                          and `cache ls` of an unfinished cache read)
       done/<i:05d>.json   marker of committed shard i: rows, xxh3_128 + bytes of its files, stats
       manifest.json       written LAST, after every marker: its presence means complete
       leases/             while a reader has the cache open: its lease (storage/lease.py)

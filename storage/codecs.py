@@ -1,14 +1,12 @@
-"""Value types and compression of the activation cache: the one import for the rest of the code.
+"""The compression of the activation cache's arrays and their Zarr metadata (zarr.json), from
+the cache config: `compressors` (per sample chunk, inside each shard: none | zstd | blosc-zstd
+with byte/bit shuffle) and `array_json`.
 
-What lives where (all re-exported here):
+The cache's other value code lives beside it (import from there):
     storage/values.py       logical dtype -> stored dtype, value encode / decode, CodecError
     storage/shard_codec.py  shard files (Zarr v3 sharding_indexed) <-> rows, with numcodecs
     storage/stats.py        per-shard value statistics (and the NaN/inf check)
     storage/samples.py      samples.parquet (sample ids, input ids, labels)
-This module builds the arrays' Zarr metadata (zarr.json) from the cache config.
-
-Compression (per sample chunk, inside each shard): none | zstd | blosc-zstd with byte/bit
-shuffle.
 """
 
 from __future__ import annotations
@@ -19,9 +17,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 from zarr.storage import MemoryStore
 
 from storage.config import CacheConfig
-from storage.values import (
-    CodecError,
-)
+from storage.values import CodecError
 
 _SHUFFLE = {"none": "noshuffle", "byte": "shuffle", "bit": "bitshuffle"}
 

@@ -117,19 +117,11 @@ class Lease:
 
 
 def _write(path, record: dict) -> None:
-    """The lease file, whole (rename locally, one PUT on an object store); never creates the
-    cache directory: FileNotFoundError if the cache is gone."""
+    """The lease file, whole (rename locally, not fsync'd: a lease lost in a crash went with
+    its holder; one PUT on an object store); never creates the cache directory:
+    FileNotFoundError if the cache is gone."""
     data = json.dumps(record, sort_keys=True).encode()
-    if fs.is_url(path):
-        fs.put(path, data)
-        return
-    tmp = atomic.partial_path(path)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic.write_file(path, lambda f: f.write(data), fsync=False)
 
 
 def acquire(cache_dir, lease_s: float, kind: str = READ) -> Lease:
