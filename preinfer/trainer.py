@@ -31,6 +31,8 @@ class TrainConfig:
     """Blocks per round (bcd modes; full ignores it): 0..M-1; M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's); random = a permutation per round seeded by (train.seed, round), as BAdam offers."""
     always_train: list[Literal["head"]] = dataclasses.field(default_factory=lambda: ["head"])
     """Parts that train in every bcd visit besides its block: head = the final norm and an untied LM head (block M-1's; a tied head matrix stays block 0's), their optimizer state kept with block M-1's. They follow every cached prefix: no cache is invalidated. Default [head]: the measured best in pretraining and fine-tuning (docs/quality.md, docs/economics.md); [] = the block alone."""
+    freeze: list[Literal["embed"]] = dataclasses.field(default_factory=list)
+    """Parts that never train: embed = the token embedding, and with it a tied LM head (the same matrix). Its gradient, optimizer state and the head's weight-gradient matmul are then not computed; the final norm still trains (train.always_train). [] = every part trains in its block's visits."""
     suffix_rank: int = 0
     """bcd modes: rank r of LoRA adapters (W x + alpha/r B A x; B starts at 0) on the layer linears of blocks K+1..M-1 (train.suffix_modules; never the embedding or the LM head), trained in the same backward as block K and merged into those blocks at the visit's commit, as BREAD does; they follow block K, so no cache is invalidated. 0 = off; full ignores it (preinfer/suffix.py)."""
     suffix_lr: float | None = None
@@ -114,6 +116,8 @@ class TrainConfig:
             )
         if len(set(self.always_train)) != len(self.always_train):
             raise ConfigError(f"train.always_train lists a part twice: {self.always_train}")
+        if len(set(self.freeze)) != len(self.freeze):
+            raise ConfigError(f"train.freeze lists a part twice: {self.freeze}")
         if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
             raise ConfigError(f"train.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
         for name in ("lr", "suffix_lr", "suffix_alpha"):

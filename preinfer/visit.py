@@ -142,9 +142,11 @@ class Visit:
         self.blocks = list(range(self.M)) if spec.mode == "full" else [K]
         # block -> (name, param) it trains; the optimizer's state is kept per block
         seen, self.params, self.named = set(), [], {}
+        # train.freeze: the embedding (a tied head's matrix with it) stays as it is
+        frozen = set(self.adapter.part_names()["embed"]) if "embed" in cfg.train.freeze else set()
         for b in self.blocks:
             for n, p in trainable_named_parameters(self.model, self.adapter, self.part, b):
-                if id(p) not in seen:
+                if id(p) not in seen and n not in frozen:
                     seen.add(id(p))
                     self.params.append(p)
                     self.named.setdefault(b, []).append((n, p))
@@ -477,6 +479,12 @@ class Visit:
                 if saved is None or not saved[1]:  # none (or kept empty by a suffix commit)
                     continue
                 by, tensors = saved
+                if b == 0:  # train.freeze toggled since the save: the embedding's state follows
+                    embed, names = set(self.adapter.part_names()["embed"]), {n for n, _ in named}
+                    have = {k.rpartition(SEP)[0] for k in tensors}
+                    tensors = {k: t for k, t in tensors.items()
+                               if k.rpartition(SEP)[0] in names or k.rpartition(SEP)[0] not in embed}  # fmt: skip
+                    named = [(n, p) for n, p in named if n in have or n not in embed]
                 if b == self.M - 1 and self.cfg.train.always_train and self.spec.mode != "full":
                     names = {n for n, _ in named}
                     tensors = {k: t for k, t in tensors.items() if k.rpartition(SEP)[0] in names}

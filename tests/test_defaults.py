@@ -45,6 +45,8 @@ def test_the_dataclass_defaults_are_the_recipe():
         # the user's layout is kept (an untied export would change their model)
         assert c.model.tie_embeddings is True and c.train.always_train == ["head"]
         assert c.train.cache_visits == c.partition.num_blocks
+        # issue #41's measured fine-tune levers (docs/economics.md)
+        assert c.train.suffix_rank == 16 and c.train.freeze == ["embed"]
 
 
 @pytest.mark.slow
