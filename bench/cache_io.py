@@ -37,36 +37,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.harness import headline_table, quiet
 from storage.cache import CacheWriter
 from storage.config import CacheConfig
 from storage.reader import open_cache
 
 DEFAULT = ("bf16", "blosc-zstd", "byte", 3)  # storage/config.py's default
-GRID = [
-    ("bf16", "none", "none", 3),
-    ("bf16", "zstd", "none", 3),
-    ("bf16", "blosc-zstd", "none", 3),
-    ("bf16", "blosc-zstd", "byte", 1),
-    ("bf16", "blosc-zstd", "byte", 3),
-    ("bf16", "blosc-zstd", "byte", 5),
-    ("bf16", "blosc-zstd", "byte", 7),
-    ("bf16", "blosc-zstd", "byte", 9),
-    ("bf16", "blosc-zstd", "bit", 1),
-    ("bf16", "blosc-zstd", "bit", 2),
-    ("bf16", "blosc-zstd", "bit", 3),
-    ("bf16", "blosc-zstd", "bit", 5),
-    ("bf16", "blosc-zstd", "bit", 9),
-    ("fp16", "blosc-zstd", "byte", 3),
-    ("fp16", "blosc-zstd", "bit", 3),
-    ("fp32", "blosc-zstd", "byte", 3),
-    ("int8", "none", "none", 3),
-    ("int8", "blosc-zstd", "bit", 3),
-    ("fp8_e4m3", "none", "none", 3),
+GRID = [  # (dtype, codec, shuffle, level)
+    *[("bf16", c, "none", 3) for c in ("none", "zstd", "blosc-zstd")],
+    *[("bf16", "blosc-zstd", "byte", lv) for lv in (1, 3, 5, 7, 9)],
+    *[("bf16", "blosc-zstd", "bit", lv) for lv in (1, 2, 3, 5, 9)],
+    ("fp16", "blosc-zstd", "byte", 3), ("fp16", "blosc-zstd", "bit", 3),
+    ("fp32", "blosc-zstd", "byte", 3), ("int8", "none", "none", 3),
+    ("int8", "blosc-zstd", "bit", 3), ("fp8_e4m3", "none", "none", 3),
     ("fp8_e4m3", "blosc-zstd", "bit", 3),
-]
-
-
-# ------------------------------------------------------------------------------- data
+]  # fmt: skip
 
 
 def synthetic_hidden(n: int, s: int, h: int, seed: int = 0) -> np.ndarray:
@@ -83,26 +68,22 @@ def synthetic_hidden(n: int, s: int, h: int, seed: int = 0) -> np.ndarray:
     return x
 
 
-def byte_entropy(x_bf16: torch.Tensor) -> float:
-    """Order-0 entropy of the bf16 bytes (high and low byte separately), bytes per value."""
-    b = x_bf16.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
-    total = 0.0
-    for col in (0, 1):
-        p = np.bincount(b[:, col], minlength=256) / len(b)
-        p = p[p > 0]
-        total += float(-(p * np.log2(p)).sum()) / 8
-    return total
-
-
-def value_entropy(x_bf16: torch.Tensor) -> float:
-    """Order-0 entropy of the 16-bit bf16 values themselves, bytes per value."""
-    u = x_bf16.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    p = np.bincount(u, minlength=65536) / len(u)
+def _entropy(symbols: np.ndarray, n: int) -> float:
+    """Order-0 entropy of the symbols (of n values), bytes per symbol."""
+    p = np.bincount(symbols, minlength=n) / len(symbols)
     p = p[p > 0]
     return float(-(p * np.log2(p)).sum()) / 8
 
 
-# ---------------------------------------------------------------------------- helpers
+def byte_entropy(x_bf16: torch.Tensor) -> float:
+    """Order-0 entropy of the bf16 bytes (high and low byte separately), bytes per value."""
+    b = x_bf16.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
+    return _entropy(b[:, 0], 256) + _entropy(b[:, 1], 256)
+
+
+def value_entropy(x_bf16: torch.Tensor) -> float:
+    """Order-0 entropy of the 16-bit bf16 values themselves, bytes per value."""
+    return _entropy(x_bf16.view(torch.int16).numpy().view(np.uint16).reshape(-1), 65536)
 
 
 def _cfg(dtype, codec, shuffle, level, shard_mb):
@@ -112,15 +93,8 @@ def _cfg(dtype, codec, shuffle, level, shard_mb):
 def _create(root, x, cfg):
     n, s, h = x.shape
     ids = np.zeros((n, s), np.int32)
-    return CacheWriter.create(
-        root,
-        "fp",
-        samples=(np.arange(n), ids, ids),
-        seq_len=s,
-        hidden_size=h,
-        cache_cfg=cfg,
-        meta={"bench": True},
-    )
+    return CacheWriter.create(root, "fp", samples=(np.arange(n), ids, ids), seq_len=s,
+                              hidden_size=h, cache_cfg=cfg, meta={"bench": True})  # fmt: skip
 
 
 def _fill(w, x):
@@ -161,19 +135,14 @@ def _timed(f):
     return time.perf_counter() - t0, out
 
 
-# -------------------------------------------------------------------------------- I/O
-
-
 def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
     """Cache vs plain files, bf16 codec none, medians of `repeats` interleaved runs."""
     g = torch.Generator().manual_seed(0)
     xb = (torch.randn(n, seq, hidden, generator=g) * 3).to(torch.bfloat16)
     bits = xb.view(torch.int16).numpy().view(np.uint16)
     cfg = _cfg("bf16", "none", "none", 3, shard_mb)
-    keys = (
-        "create", "cache_write", "plain_write", "cache_read", "cache_read_values",
-        "cache_read_nocheck", "plain_read",
-    )  # fmt: skip
+    keys = ("create", "cache_write", "plain_write", "cache_read", "cache_read_values",
+            "cache_read_nocheck", "plain_read")  # fmt: skip
     t: dict[str, list[float]] = {k: [] for k in keys}  # wall seconds
     cpu: dict[str, list[float]] = {k: [] for k in keys}  # CPU seconds of the same calls
 
@@ -189,14 +158,10 @@ def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
         w = measure("create", lambda: _create(d / "cache", xb, cfg))
         shards = w.num_shards
         arrays = [bits[slice(*w.shard_range(i))] for i in range(shards)]
-        writes = {
-            "cache_write": lambda: _fill(w, xb),
-            "plain_write": lambda: _plain_write(d / "p", arrays),
-        }
-        reads = {
-            "cache_read": lambda: open_cache(d / "cache", "fp").read_rows(0, n, None)[0],
-            "plain_read": lambda: _plain_read(d / "p", shards, bits.shape),
-        }
+        writes = {"cache_write": lambda: _fill(w, xb),
+                  "plain_write": lambda: _plain_write(d / "p", arrays)}  # fmt: skip
+        reads = {"cache_read": lambda: open_cache(d / "cache", "fp").read_rows(0, n, None)[0],
+                 "plain_read": lambda: _plain_read(d / "p", shards, bits.shape)}  # fmt: skip
         for ops in (writes, reads):  # cache first in even rounds, plain first in odd ones
             for key in list(ops) if r % 2 == 0 else list(ops)[::-1]:
                 ops[key] = measure(key, ops[key])
@@ -214,15 +179,10 @@ def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     mb = xb.numel() * 2 / 2**20
     return {
-        "cpu_seconds_median": cpu_med,
+        "cpu_seconds_median": cpu_med, "fsync": fsync, "shard_mb": shard_mb, "MiB": mb,
         "cpu_write_ratio": cpu_med["cache_write"] / cpu_med["plain_write"],
-        "cpu_read_ratio": cpu_med["cache_read"] / cpu_med["plain_read"],
-        "fsync": fsync,
-        "shard_mb": shard_mb,
-        "num_shards": shards,
-        "MiB": mb,
-        "seconds_median": med,
-        "MBps": {k: mb / v for k, v in med.items() if k != "create"},
+        "cpu_read_ratio": cpu_med["cache_read"] / cpu_med["plain_read"], "num_shards": shards,
+        "seconds_median": med, "MBps": {k: mb / v for k, v in med.items() if k != "create"},
         "write_ratio": med["plain_write"] / med["cache_write"],
         "write_ratio_incl_create": med["plain_write"] / (med["cache_write"] + med["create"]),
         "read_ratio": med["plain_read"] / med["cache_read"],
@@ -230,10 +190,7 @@ def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
         "read_nocheck_ratio": med["plain_read"] / med["cache_read_nocheck"],
         "best_write_ratio": min(t["plain_write"]) / min(t["cache_write"]),
         "best_read_ratio": min(t["plain_read"]) / min(t["cache_read"]),
-    }
-
-
-# ----------------------------------------------------------------------------- codecs
+    }  # fmt: skip
 
 
 LOGICAL = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -244,11 +201,8 @@ def rounding_error(x: torch.Tensor, y: torch.Tensor) -> dict | None:
     if y.dtype == x.dtype:
         return None
     e = (y.double() - x.double()).abs()
-    return {
-        "max_abs_err": float(e.max()),
-        "mean_abs_err": float(e.mean()),
-        "rel_err": float(e.norm() / x.double().norm()),
-    }
+    return {"max_abs_err": float(e.max()), "mean_abs_err": float(e.mean()),
+            "rel_err": float(e.norm() / x.double().norm())}  # fmt: skip
 
 
 def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
@@ -273,29 +227,15 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
         got = reads[0][1]
         if dtype in LOGICAL:
             assert torch.equal(got, src)
-        rows.append(
-            {
-                "dtype": dtype,
-                "codec": codec,
-                "shuffle": shuffle,
-                "level": level,
-                "bytes_per_value": m["bytes_per_value"],
-                "ratio_vs_bf16": m["ratio_vs_bf16"],
-                "write_MBps": bf16_mb / dt_w,
-                "read_MBps": bf16_mb / statistics.median(dt for dt, _ in reads),
-                "error": rounding_error(xt, src) if dtype in LOGICAL else m["error"],
-            }
-        )
+        rows.append({"dtype": dtype, "codec": codec, "shuffle": shuffle, "level": level,
+                     "bytes_per_value": m["bytes_per_value"], "ratio_vs_bf16": m["ratio_vs_bf16"],
+                     "write_MBps": bf16_mb / dt_w,
+                     "read_MBps": bf16_mb / statistics.median(dt for dt, _ in reads),
+                     "error": rounding_error(xt, src) if dtype in LOGICAL else m["error"]})  # fmt: skip
         shutil.rmtree(root)
-    return {
-        "name": name,
-        "shape": [n, s, h],
-        "std": float(x.std()),
-        "absmax": float(np.abs(x).max()),
-        "bf16_byte_entropy": byte_entropy(xb),
-        "bf16_value_entropy": value_entropy(xb),
-        "codecs": rows,
-    }
+    return {"name": name, "shape": [n, s, h], "std": float(x.std()),
+            "absmax": float(np.abs(x).max()), "bf16_byte_entropy": byte_entropy(xb),
+            "bf16_value_entropy": value_entropy(xb), "codecs": rows}  # fmt: skip
 
 
 def default_sources(samples: int) -> list[tuple[str, Path]]:
@@ -303,44 +243,23 @@ def default_sources(samples: int) -> list[tuple[str, Path]]:
     from bench import hidden_states
 
     names = {"minilm": "MiniLM-L6 (pretrained)", "gpt2": "GPT-2 demo (random init)"}
-    return [
-        (names[m], hidden_states.generate(m, samples=samples, log=lambda *a: None))
-        for m in ("minilm", "gpt2")
-    ]
+    return [(names[m], hidden_states.generate(m, samples=samples, log=quiet)) for m in names]
 
 
-def run(
-    hidden=None,
-    synthetic=False,
-    n=512,
-    seq=128,
-    hidden_size=384,
-    shard_mbs=(16.0, 4.0),
-    repeats=5,
-    workdir=None,
-    io=True,
-    codec_table=True,
-    samples=256,
-) -> dict:
+def run(hidden=None, synthetic=False, n=512, seq=128, hidden_size=384, shard_mbs=(16.0, 4.0),
+        repeats=5, workdir=None, io=True, codec_table=True, samples=256) -> dict:  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="cache_io_", dir=workdir))
     res: dict = {"io": [], "sources": [], "cpus": os.cpu_count(), "load_before": os.getloadavg()}
     try:
-        if io:
-            for mb in shard_mbs:
-                for fsync in (True, False):
-                    res["io"].append(io_bench(n, seq, hidden_size, mb, repeats, fsync, tmp))
-        if codec_table:
-            if synthetic:
-                srcs = [("SYNTHETIC smooth stand-in (not real activations)", None)]
-            elif hidden:
-                srcs = [(Path(p).stem, Path(p)) for p in hidden]
-            else:
-                srcs = default_sources(samples)
-            for name, path in srcs:
-                x = synthetic_hidden(256, seq, hidden_size) if path is None else np.load(path)
-                res["sources"].append(
-                    {**codec_bench(name, x.astype(np.float32), 16.0, tmp), "path": str(path)}
-                )
+        res["io"] = [io_bench(n, seq, hidden_size, mb, repeats, fsync, tmp)
+                     for mb in (shard_mbs if io else []) for fsync in (True, False)]  # fmt: skip
+        srcs = ([("SYNTHETIC smooth stand-in (not real activations)", None)] if synthetic
+                else [(Path(p).stem, Path(p)) for p in hidden] if hidden
+                else default_sources(samples)) if codec_table else []  # fmt: skip
+        for name, path in srcs:
+            x = synthetic_hidden(256, seq, hidden_size) if path is None else np.load(path)
+            res["sources"].append({**codec_bench(name, x.astype(np.float32), 16.0, tmp),
+                                   "path": str(path)})  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res["repeats"] = repeats
@@ -354,16 +273,16 @@ def run(
     for src in res["sources"]:
         for r in src["codecs"]:
             if (r["dtype"], r["codec"], r["shuffle"], r["level"]) == (
-                "bf16", d.codec, d.shuffle, d.level
-            ):  # fmt: skip
+                "bf16",
+                d.codec,
+                d.shuffle,
+                d.level,
+            ):
                 head[f"default codec vs raw bf16, {src['name']} (target >= 1.3)"] = r[
                     "ratio_vs_bf16"
                 ]
     res["headline"] = head
     return res
-
-
-# ----------------------------------------------------------------------------- tables
 
 
 def _f(v, fmt=".3g"):
@@ -372,97 +291,67 @@ def _f(v, fmt=".3g"):
 
 def markdown(res: dict) -> str:
     load = lambda k: "/".join(f"{v:.1f}" for v in res[k])  # noqa: E731
-    lines = [
-        f"Machine: {res['cpus']} CPUs; load average (1/5/15 min) {load('load_before')} before, "
-        f"{load('load_after')} after (other work on the machine skews wall-clock figures).",
-        "",
-    ]
+    lines = [f"Machine: {res['cpus']} CPUs; load average (1/5/15 min) {load('load_before')} "
+             f"before, {load('load_after')} after (other work on the machine skews wall-clock "
+             "figures).", ""]  # fmt: skip
     if res["io"]:
-        r0 = res["io"][0]
+        rows = [("shard MiB (shards)", "fsync", "op", "cache MB/s", "plain MB/s", "ratio (median)",
+                 "ratio (best)", "CPU cache/plain")]  # fmt: skip
+        for r, op in ((r, op) for r in res["io"] for op in ("write", "read")):
+            rows.append((f"{r['shard_mb']:g} ({r['num_shards']})", "yes" if r["fsync"] else "no", op,
+                         f"{r['MBps'][f'cache_{op}']:.0f}", f"{r['MBps'][f'plain_{op}']:.0f}",
+                         f"**{r[f'{op}_ratio']:.2f}**", f"{r[f'best_{op}_ratio']:.2f}",
+                         f"{r[f'cpu_{op}_ratio']:.2f}"))  # fmt: skip
+        ratios = lambda k: ", ".join(f"{r[k]:.2f}" for r in res["io"])  # noqa: E731
         lines += [
-            f"I/O: bf16, codec none, {r0['MiB']:.0f} MiB of values, {res['repeats']} interleaved "
-            "runs. Ratio = cache throughput / plain-file throughput (target >= 0.7): of the "
-            "median times, and of the best times; CPU = process CPU seconds (all threads, "
-            "user + system) of the cache / of the plain files (load-independent extra work).",
-            "",
-            "| shard MiB (shards) | fsync | op | cache MB/s | plain MB/s | ratio (median) "
-            "| ratio (best) | CPU cache/plain |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in res["io"]:
-            tp = r["MBps"]
-            head = f"| {r['shard_mb']:g} ({r['num_shards']}) | {'yes' if r['fsync'] else 'no'}"
-            lines += [
-                f"{head} | write | {tp['cache_write']:.0f} | {tp['plain_write']:.0f} | "
-                f"**{r['write_ratio']:.2f}** | {r['best_write_ratio']:.2f} | "
-                f"{r['cpu_write_ratio']:.2f} |",
-                f"{head} | read | {tp['cache_read']:.0f} | {tp['plain_read']:.0f} | "
-                f"**{r['read_ratio']:.2f}** | {r['best_read_ratio']:.2f} | "
-                f"{r['cpu_read_ratio']:.2f} |",
-            ]
-        lines += [
-            "",
-            "write = write_shard for every shard + finalize (stats, checksums, markers, "
-            "renames, manifest) vs one plain file per shard with the same fsync; create "
-            "(samples.parquet, zarr.json, build.json, once per cache) is apart: with it the "
-            "median write ratios are "
-            + ", ".join(f"{r['write_ratio_incl_create']:.2f}" for r in res["io"])
-            + ". read = open_cache + read_rows(0, N) (checksum-verified values, labels, ids) vs "
-            "np.fromfile + concatenate; values only (read_stored): "
-            + ", ".join(f"{r['read_values_ratio']:.2f}" for r in res["io"])
-            + "; check_reads=False: "
-            + ", ".join(f"{r['read_nocheck_ratio']:.2f}" for r in res["io"])
-            + " (same row order as the table).",
-            "",
-        ]
+            f"I/O: bf16, codec none, {res['io'][0]['MiB']:.0f} MiB of values, {res['repeats']} "
+            "interleaved runs. Ratio = cache throughput / plain-file throughput (target >= 0.7): "
+            "of the median times, and of the best times; CPU = process CPU seconds (all threads, "
+            "user + system) of the cache / of the plain files (load-independent extra work).", "",
+            headline_table(rows), "",
+            "write = write_shard for every shard + finalize (stats, checksums, markers, renames, "
+            "manifest) vs one plain file per shard with the same fsync; create (samples.parquet, "
+            "zarr.json, build.json, once per cache) is apart: with it the median write ratios are "
+            f"{ratios('write_ratio_incl_create')}. read = open_cache + read_rows(0, N) "
+            "(checksum-verified values, labels, ids) vs np.fromfile + concatenate; values only "
+            f"(read_stored): {ratios('read_values_ratio')}; check_reads=False: "
+            f"{ratios('read_nocheck_ratio')} (same row order as the table).", "",
+        ]  # fmt: skip
     for src in res["sources"]:
         n, s, h = src["shape"]
-        lines += [
-            f"Codecs on {src['name']}: N={n} S={s} H={h}, std {src['std']:.3g}, absmax "
-            f"{src['absmax']:.3g}; order-0 entropy of bf16: {src['bf16_value_entropy']:.3f} "
-            f"bytes/value (16-bit symbols), {src['bf16_byte_entropy']:.3f} (bytes apart).",
-            "",
-            "| dtype | codec | shuffle | level | bytes/value | vs raw bf16 | write MB/s "
-            "| read MB/s | max abs err | mean abs err | rel err |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        rows = [("dtype", "codec", "shuffle", "level", "bytes/value", "vs raw bf16", "write MB/s",
+                 "read MB/s", "max abs err", "mean abs err", "rel err")]  # fmt: skip
         for c in src["codecs"]:
-            e = c["error"] or {}
-            errs = " | ".join(_f(e.get(k)) for k in ("max_abs_err", "mean_abs_err", "rel_err"))
-            is_default = (c["dtype"], c["codec"], c["shuffle"], c["level"]) == DEFAULT
-            lines.append(
-                f"| {c['dtype']} | {c['codec']} | {c['shuffle']} | "
-                f"{c['level'] if c['codec'] != 'none' else '-'}{' (default)' * is_default} | "
-                f"{c['bytes_per_value']:.3f} | {c['ratio_vs_bf16']:.2f}x | "
-                f"{c['write_MBps']:.0f} | {c['read_MBps']:.0f} | {errs} |"
-            )
+            e, key = c["error"] or {}, (c["dtype"], c["codec"], c["shuffle"], c["level"])
+            rows.append((*key[:3], f"{c['level'] if c['codec'] != 'none' else '-'}"
+                         f"{' (default)' * (key == DEFAULT)}", f"{c['bytes_per_value']:.3f}",
+                         f"{c['ratio_vs_bf16']:.2f}x", f"{c['write_MBps']:.0f}",
+                         f"{c['read_MBps']:.0f}", *(_f(e.get(k)) for k in
+                         ("max_abs_err", "mean_abs_err", "rel_err"))))  # fmt: skip
         lossless = [c for c in src["codecs"] if c["dtype"] == "bf16"]
         best = min(lossless, key=lambda c: c["bytes_per_value"])
         dflt = next(
             c for c in lossless if (c["dtype"], c["codec"], c["shuffle"], c["level"]) == DEFAULT
         )
         lines += [
-            "",
+            f"Codecs on {src['name']}: N={n} S={s} H={h}, std {src['std']:.3g}, absmax "
+            f"{src['absmax']:.3g}; order-0 entropy of bf16: {src['bf16_value_entropy']:.3f} "
+            f"bytes/value (16-bit symbols), {src['bf16_byte_entropy']:.3f} (bytes apart).", "",
+            headline_table(rows), "",
             f"Lossless default (bf16 blosc-zstd byte 3): {dflt['ratio_vs_bf16']:.2f}x smaller "
-            f"than raw bf16 (requirement >= 1.3x: "
-            f"{'met' if dflt['ratio_vs_bf16'] >= 1.3 else 'NOT met'}); smallest lossless here: "
-            f"{best['codec']} {best['shuffle']} level {best['level']} at "
-            f"{best['ratio_vs_bf16']:.2f}x; 16-bit entropy bound "
-            f"{2 / src['bf16_value_entropy']:.2f}x.",
-            "",
-        ]
-    lines += (
-        []
-        if not res["sources"]
-        else [
+            f"than raw bf16 (requirement >= 1.3x: {'met' if dflt['ratio_vs_bf16'] >= 1.3 else 'NOT met'}); "
+            f"smallest lossless here: {best['codec']} {best['shuffle']} level "
+            f"{best['level']} at {best['ratio_vs_bf16']:.2f}x; 16-bit entropy bound "
+            f"{2 / src['bf16_value_entropy']:.2f}x.", "",
+        ]  # fmt: skip
+    if res["sources"]:
+        lines.append(
             "MB/s in the codec tables = raw bf16 bytes of the values (2 per value) per second: "
-            "write = write_shard for every shard + finalize (stats, encode, checksums, fsync), from "
-            "values in the cache dtype (lossless) or float32 (int8/fp8, as the pipeline feeds them); "
-            "read = read_rows of all rows (median of 3). Errors are vs the float32 states "
-            "(bf16/fp16: rounding; int8/fp8: lossy, per-token scale). Speeds on a shared 2-core "
-            "machine: indicative only."
-        ]
-    )
+            "write = write_shard for every shard + finalize (stats, encode, checksums, fsync), "
+            "from values in the cache dtype (lossless) or float32 (int8/fp8, as the pipeline "
+            "feeds them); read = read_rows of all rows (median of 3). Errors are vs the float32 "
+            "states (bf16/fp16: rounding; int8/fp8: lossy, per-token scale). Speeds on a shared "
+            "2-core machine: indicative only.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -480,22 +369,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-codecs", action="store_true")
     ap.add_argument("--workdir", help="where to write temp caches (default: system temp)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--tiny", action="store_true", help="synthetic, 16 x 8 x 32 values (tests)")
     a = ap.parse_args(argv)
     if a.repeats < 5:
         ap.error("--repeats must be >= 5 (medians)")
-    res = run(
-        a.hidden,
-        a.synthetic,
-        a.n,
-        a.seq,
-        a.hidden_size,
-        a.shard_mb,
-        a.repeats,
-        a.workdir,
-        io=not a.skip_io,
-        codec_table=not a.skip_codecs,
-        samples=a.samples,
-    )
+    if a.tiny:
+        a.synthetic, a.n, a.seq, a.hidden_size, a.shard_mb = True, 16, 8, 32, [0.01]
+    res = run(a.hidden, a.synthetic, a.n, a.seq, a.hidden_size, a.shard_mb, a.repeats, a.workdir,
+              io=not a.skip_io, codec_table=not a.skip_codecs, samples=a.samples)  # fmt: skip
     print(markdown(res))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

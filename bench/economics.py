@@ -4,20 +4,22 @@
     python -m bench.economics                    # 3 seeds, the layers-heavy model (~1 h, 2 CPUs)
     python -m bench.economics --epochs 1 4 --M 3 6
 
-Arms, from one token store and one init checkpoint per seed, side by side in one process:
+Arms, from one token store and one init checkpoint per seed, each in its own process
+(bench/arms.py, the study's arm runner; --inline: in this one):
   full           every parameter, its own step budget (Scale.full_cap, the same for every M)
   bcd            the rotation with the cache (train.epochs passes over each round's rows)
   bcd-recompute  the same rotation, prefix rerun on every step, same visits as bcd
-Each arm is trained by the study's arm runner (bench/study_arms.py), with the product's
-defaults: its clock includes everything the product does (cache builds and refreshes, visits,
-commits) and excludes every evaluation (the visits' own and the benchmark's whole-val ones,
-after every visit and for full every steps_per_visit steps). The B-F studies of one option
-against another, to the plateau and lr-swept, are `python -m bench.study --variant ...`.
+with the product's defaults: each arm's clock includes everything the product does (cache
+builds and refreshes, visits, commits) and excludes every evaluation (the visits' own and the
+benchmark's whole-val ones, after every visit and for full every steps_per_visit steps). The
+B-F studies of one option against another, to the plateau and lr-swept, are
+`python -m bench.study --variant ...`.
 
 Per arm: whole-val ppl against wall-clock and against FLOPs, time to full's final whole-val
 ppl, the cache share of bcd's time, the fixed part of each build, and the cost model's
 predicted time (preinfer.costmodel FLOPs x the seconds per FLOP of this machine's full arm)
-beside the measured one. Medians over seeds. The model is chosen so the layers outweigh the
+beside the measured one. Medians over all seeds, a seed that did not reach full's ppl counted
+as not reached (harness.spread), with "n of N reached". The model is chosen so the layers outweigh the
 LM head (H=256, 6 layers, V=2048: the head is ~10% of a full step's FLOPs); at the demo's
 H=128, V=2048 the head costs more than a layer and BCD cannot save it.
 """
@@ -28,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -36,15 +37,19 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import headline_table, load_average, results_path, write_results
-from bench.study_arms import LAYERS_HEAVY, LAYOUTS, Arm, Scale, Stop, prepare, run_arm
-from bench.study_curves import first_reach
+from bench.arms import Stop
+from bench.harness import (
+    first_reach,
+    headline_table,
+    load_average,
+    results_path,
+    spread,
+    write_results,
+)
+from bench.study import LAYERS_HEAVY, LAYOUTS, TINY, Arm, Scale, init_dir, run_one
 from preinfer.checkpoint import Checkpoint
 from preinfer.costmodel import Flops, run_flops
 from preinfer.model_shape import model_shape
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # full_cap: full's own step budget (no patience: it runs them all); lrs[0]: every arm's lr;
 # val_batches=0: the whole val split
@@ -55,19 +60,20 @@ QUICK = Scale(
     documents=40, seq_len=32, batch_size=8, vocab=512, val_fraction=0.05, steps_per_visit=12,
     full_cap=36, bcd_factor=2.0, seeds=[0], lrs=[2e-3], val_batches=0,
 )  # fmt: skip
+SMALLEST = replace(TINY, full_cap=9, bcd_factor=2.0, lrs=[1e-2], val_batches=4)  # --tiny (tests)
 MODES = {m: Arm(m, [], m) for m in ("full", "bcd", "bcd-recompute")}
 
 
 def arm(sc: Scale, work: Path, layout: str, mode: str, M: int, seed: int, epochs: float,
-        stop: Stop) -> dict:  # fmt: skip
-    rec = run_arm(sc, work, MODES[mode], layout=layout, M=M, seed=seed, lr=sc.lrs[0], stop=stop,
-                  sets=(f"train.epochs={epochs}",))  # fmt: skip
+        stop: Stop, inline: bool = False) -> dict:  # fmt: skip
+    rec = run_one(sc, work, MODES[mode], layout=layout, M=M, seed=seed, lr=sc.lrs[0], stop=stop,
+                  sets=(f"train.epochs={epochs}",), inline=inline)  # fmt: skip
     return {**rec, "epochs": epochs}
 
 
 def predict(arms: list[dict], sc: Scale, work: Path, layout: str, M: int) -> None:
     """Cost-model time of each arm: its FLOPs x the seconds per FLOP of the full arm."""
-    ckpt = Checkpoint.open(prepare(sc, work, layout, M, arms[1]["seed"]))  # this M's partition
+    ckpt = Checkpoint.open(init_dir(work, layout, M, arms[1]["seed"]))  # this M's partition
     fl = Flops(sh=model_shape(ckpt.model_config), part=ckpt.partition, seq=sc.seq_len)
     for a in arms:
         a["flops"] = run_flops(fl, a["mode"], a["visits"], tokens_per_step=a["tokens_per_step"],
@@ -97,22 +103,23 @@ def break_even(cache: dict, recompute: dict) -> float | None:
     return cache["epochs"] * cache["cache_seconds"] / extra
 
 
-def study(sc: Scale, work: Path, layout: str, M: int, epochs: float, log=print) -> dict:
+def study(sc: Scale, work: Path, layout: str, M: int, epochs: float, log=print,
+          inline: bool = False) -> dict:  # fmt: skip
     per_seed = []
     for seed in sc.seeds:
         memo = work / f"full-{layout}-s{seed}-{sc.full_cap}.json"  # full: the same for any M, E
         if memo.exists():
             full = json.loads(memo.read_text())
         else:
-            full = arm(sc, work, layout, "full", M, seed, epochs, Stop())
+            full = arm(sc, work, layout, "full", M, seed, epochs, Stop(), inline)
             memo.write_text(json.dumps(full))
         log(f"  M={M} E={epochs:g} seed {seed}: full {full['steps']} steps {full['seconds']:.0f}s "
             f"ppl {full['final_ppl']:.1f}")  # fmt: skip
         cap = math.ceil(sc.bcd_factor * sc.full_cap)
         cache = arm(sc, work, layout, "bcd", M, seed, epochs,
-                    Stop(target_ppl=full["final_ppl"], min_visits=M, cap_steps=cap))  # fmt: skip
+                    Stop(target_ppl=full["final_ppl"], min_visits=M, cap_steps=cap), inline)  # fmt: skip
         recompute = arm(sc, work, layout, "bcd-recompute", M, seed, epochs,
-                        Stop(max_visits=len(cache["curve"])))  # fmt: skip
+                        Stop(max_visits=len(cache["curve"])), inline)  # fmt: skip
         arms = [full, cache, recompute]
         predict(arms, sc, work, layout, M)
         hit = first_reach(cache["curve"], full["final_ppl"])
@@ -133,16 +140,11 @@ def study(sc: Scale, work: Path, layout: str, M: int, epochs: float, log=print) 
             f"cache/recompute {row['cache_over_recompute']:.2f}, cache share "
             f"{row['cache_share']:.0%}")  # fmt: skip
         per_seed.append(row)
-    med = {}
-    for key in ("cache_to_full_time", "recompute_to_full_time", "bf_multiplier",
-                "cache_over_recompute", "cache_share", "fixed_share",
-                "break_even_passes"):  # fmt: skip
-        vals = [r[key] for r in per_seed if r[key] is not None]
-        med[key] = statistics.median(vals) if vals else None
-    for mode in ("full", "bcd", "bcd-recompute"):
-        med[f"prediction_error_{mode}"] = statistics.median(
-            r["prediction_error"][mode] for r in per_seed
-        )
+    keys = ("cache_to_full_time", "recompute_to_full_time", "bf_multiplier",
+            "cache_over_recompute", "cache_share", "fixed_share", "break_even_passes")  # fmt: skip
+    med = {k: spread([r[k] for r in per_seed])["median"] for k in keys}  # None: not reached
+    med.update({f"prediction_error_{m}": spread([r["prediction_error"][m] for r in per_seed])
+                ["median"] for m in MODES})  # fmt: skip
     med["reached"] = sum(r["reached"] for r in per_seed)
     return {"M": M, "epochs": epochs, "seeds": per_seed, "median": med}
 
@@ -162,13 +164,15 @@ def render(res: dict) -> str:
                      f(m["cache_share"], "{:.0%}"), f(m["fixed_share"], "{:.0%}"),
                      f(m["break_even_passes"]),
                      f"{m['prediction_error_bcd']:+.0%}, {m['prediction_error_bcd-recompute']:+.0%}",
-                     f"{m['reached']}/{len(s['seeds'])}"))  # fmt: skip
+                     f"{m['reached']} of {len(s['seeds'])} reached"))  # fmt: skip
     return headline_table(rows)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, a small model (make bench)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="one seed, a small model (make bench)")
+    size.add_argument("--tiny", action="store_true", help="a tiny model, seconds per arm (tests)")
     ap.add_argument("--M", type=int, nargs="+", default=[3], help="blocks (default 3)")
     ap.add_argument("--epochs", type=float, nargs="+", default=[1.0],
                     help="passes over each visit's rows (default 1)")  # fmt: skip
@@ -178,8 +182,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
     ap.add_argument("--arch", choices=sorted(LAYOUTS), default="gpt2",
                     help="gpt2 (tied, default) or llama (untied, GQA)")  # fmt: skip
+    ap.add_argument("--inline", action="store_true",
+                    help="run the arms in this process (peak memory then not each arm's own)")  # fmt: skip
     a = ap.parse_args(argv)
-    sc = replace(QUICK if a.quick else DEFAULT)
+    sc = replace(SMALLEST if a.tiny else QUICK if a.quick else DEFAULT)
     if a.seeds is not None:
         sc.seeds = a.seeds
     if a.threads:
@@ -188,7 +194,7 @@ def main(argv=None) -> dict:
     work = Path(a.work or tmp.name)
     t0 = time.perf_counter()
     load0 = load_average()
-    studies = [study(sc, work, a.arch, M, e) for M in a.M for e in a.epochs]
+    studies = [study(sc, work, a.arch, M, e, inline=a.inline) for M in a.M for e in a.epochs]
     res = {"scale": asdict(sc), "studies": studies, "load_start": load0,
            "load_end": load_average(), "seconds": time.perf_counter() - t0,
            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "arch": a.arch,
@@ -196,7 +202,9 @@ def main(argv=None) -> dict:
     res["table"] = render(res)
     print(res["table"])
     print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
-    out = Path(a.out) if a.out else results_path("economics" + ("-quick" if a.quick else ""))
+    out = Path(
+        a.out or results_path("economics" + ("-quick" if a.quick else "-tiny" if a.tiny else ""))
+    )
     write_results(out, res)
     if tmp is not None:
         tmp.cleanup()

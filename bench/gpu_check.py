@@ -17,6 +17,7 @@ Steps (each recorded, a failure does not stop the others):
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import subprocess
@@ -25,7 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT, quiet
+
 NEEDED = ["torch", "ray", "zarr", "numcodecs", "pyarrow", "datasets", "transformers",
           "tokenizers", "safetensors", "yaml", "tqdm", "numpy", "psutil", "pytest"]  # fmt: skip
 PARITY = "cache_equals or refresh_equals or recomputed or bf16_cache"
@@ -71,36 +73,37 @@ def step_demo(out: Path) -> dict:
 def step_memory(out: Path) -> dict:
     import torch
 
-    from pipelines.cache_build import build_cache
-    from preinfer.cache_identity import plan_caches
+    from bench.arms import PeakMemory
+    from pipelines.cache_build import build_cache, plan_block
+    from pipelines.train import check_memory
     from preinfer.checkpoint import Checkpoint
     from preinfer.config import load_config
-    from preinfer.guards import warn_trainer_memory
     from preinfer.memory import preinfer_memory, setup_for
     from preinfer.model_shape import model_shape
     from preinfer.visit import Visit, VisitSpec
+    from storage.tokens import TokenStore
 
     cfg = load_config(ROOT / "configs/demo.yaml", [f"run.dir={out / 'demo'}", "run.device=cuda",
                                                    "preinfer.executor=local"])  # fmt: skip
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     M = ckpt.num_blocks
-    res = {}
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    build_cache(cfg, M - 1, round_=9, log=lambda *a, **k: None)  # a round the demo never made
-    res["build_measured"] = torch.cuda.max_memory_allocated() - base
+    res, mem = {}, PeakMemory("cuda")  # bytes: max_memory_allocated over the baseline
+    build_cache(cfg, M - 1, round_=9, log=quiet)  # a round the demo never made
+    res["build_measured"] = (mem.stop() - mem.baseline) * 2**20
     sh = model_shape(cfg.model)
-    p = setup_for(cfg, sh, target="gpu")
+    p = setup_for(sh, cfg.train, cfg.cache, cfg.preinfer, target="gpu", seq=cfg.data.seq_len,
+                  token_rows=cfg.data.shard_rows, run_precision=cfg.run.precision)  # fmt: skip
     res["build_estimate"] = preinfer_memory(sh, ckpt.partition, M - 1, p)["peak"]
-    plans = {q.split: q.fingerprint for q in plan_caches(cfg, M - 1, 9, create=False)}
+    plans = plan_block(cfg, M - 1, 9).fingerprints
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    mem = PeakMemory("cuda")
     spec = VisitSpec(block=M - 1, round=9, cache_train=plans["train"], cache_val=plans["val"])
     cfg.train.max_steps = 10
-    Visit(cfg, spec, device=torch.device("cuda")).run(log=lambda *a, **k: None)
-    res["trainer_measured"] = torch.cuda.max_memory_allocated() - base
-    res["trainer_estimate"] = warn_trainer_memory(cfg, block=M - 1, log=lambda *a: None)["peak"]
+    Visit(cfg, spec, device=torch.device("cuda")).run(log=quiet)
+    res["trainer_measured"] = (mem.stop() - mem.baseline) * 2**20
+    store = TokenStore(cfg.data.out_dir)
+    worst = check_memory(cfg, ckpt, store, mode="bcd", block=M - 1, log=quiet)
+    res["trainer_estimate"] = worst["peak"]
     res["ok"] = True
     for k in ("build", "trainer"):
         res[f"{k}_error"] = res[f"{k}_estimate"] / max(res[f"{k}_measured"], 1) - 1
@@ -126,16 +129,20 @@ def step_writer(out: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    out = Path((argv or sys.argv[1:] or ["runs/gpu_check"])[0]).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    res = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    res["imports"] = step_imports()
     steps = {"parity": step_parity, "demo": step_demo, "memory": step_memory,
              "throughput": step_throughput, "writer": step_writer}  # fmt: skip
-    only = list((argv or sys.argv[1:])[1:]) or list(steps)  # e.g. OUT throughput writer
-    if set(only) - set(steps):
-        raise SystemExit(f"gpu_check: unknown step(s) {sorted(set(only) - set(steps))}; "
-                         f"choose from {', '.join(steps)}")  # fmt: skip
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default="runs/gpu_check", help="where the JSON and logs go")
+    ap.add_argument("steps", nargs="*", help=f"of {', '.join(steps)} (default: every step)")
+    a = ap.parse_args(argv)
+    if set(a.steps) - set(steps):
+        ap.error(
+            f"unknown step(s) {sorted(set(a.steps) - set(steps))}; choose from {', '.join(steps)}"
+        )
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "imports": step_imports()}
+    only = a.steps or list(steps)  # e.g. OUT throughput writer
     for name, fn in ((n, steps[n]) for n in only):
         t0 = time.perf_counter()
         try:

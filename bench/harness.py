@@ -1,4 +1,14 @@
-"""What every benchmark shares: where results go, the machine's load, a markdown table."""
+"""What every benchmark shares, pure (no torch, no pipeline): where results go, the machine's
+load, a markdown table, and the arithmetic on curves and seeds (bench/arms.py runs the arms).
+
+A curve is a list of points {"steps", "seconds", "ppl" and/or "loss", ...} in training order.
+
+    spread(values)                    THE summary of per-seed (or repeated) figures: one rule
+    first_reach(curve, target, key)   the first point at or below a target
+    plateau(curve, patience, ...)     full's best point and whether it stopped improving
+    multiplier(reach, full_best)      B-F multiplier and wall-clock ratio
+    select_lr(runs, score)            the lr whose median score over seeds is best
+"""
 
 from __future__ import annotations
 
@@ -9,7 +19,12 @@ import statistics
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def quiet(*_a, **_k) -> None:
+    return None
 
 
 def results_path(name: str) -> Path:
@@ -42,6 +57,14 @@ def without_paths(res: dict, labels: dict[str, str]) -> dict:
     return json.loads(text)
 
 
+def rel(p) -> str:
+    """p relative to the repo root where it is inside it."""
+    try:
+        return str(Path(p).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
 def load_average() -> list[float] | None:
     """1/5/15-minute load averages (what else the machine was doing), None where unknown."""
     try:
@@ -58,7 +81,107 @@ def headline_table(rows: list[tuple]) -> str:
     return "\n".join(out)
 
 
-def spread(xs: list[float]) -> dict:
-    """Median, min, max, count and the values of a bench's repeated measurements."""
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs),
-            "values": xs}  # fmt: skip
+# ---------------------------------------------------------------------------------------------
+# Seeds and curves
+
+
+def spread(values: list[float | None]) -> dict:
+    """The one summary rule (#42): the median over ALL values, a None (a seed that never
+    reached its target) ranked above every value, so the median is None ("not reached") when
+    half or more did not reach; min and max likewise (max None when any missed). n of `of`
+    reached; the values as given. Repeated timings (no None) get their plain median."""
+    got = sorted(v for v in values if v is not None)
+    n, of = len(got), len(values)
+    ranked = got + [math.inf] * (of - n)
+
+    def fin(x):
+        return None if math.isinf(x) else x
+
+    if not of:
+        return {"median": None, "min": None, "max": None, "n": 0, "of": 0, "values": []}
+    return {"median": fin(statistics.median(ranked)), "min": fin(ranked[0]),
+            "max": fin(ranked[-1]), "n": n, "of": of, "values": list(values)}  # fmt: skip
+
+
+def show(s: dict, fmt: str = "{:.2f}") -> str:
+    """A spread as 'median [min, max]' ('median' alone for one value), None as not reached."""
+
+    def f(x):
+        return "not reached" if x is None else fmt.format(x)
+
+    return f(s["median"]) if s["of"] <= 1 else f"{f(s['median'])} [{f(s['min'])}, {f(s['max'])}]"
+
+
+def reached(s: dict) -> str:
+    return f"{s['n']} of {s['of']} reached"
+
+
+def first_reach(curve: list[dict], target: float, key: str = "ppl") -> dict | None:
+    """The first point whose `key` is at or below target, else None."""
+    return next((p for p in curve if p[key] <= target), None)
+
+
+def improves(ppl: float, best: float, min_rel_delta: float) -> bool:
+    """ppl counts as an improvement on best when it is lower by more than min_rel_delta x best."""
+    return ppl < best * (1.0 - min_rel_delta)
+
+
+def plateau(curve: list[dict], patience: int, min_rel_delta: float = 0.0,
+            min_steps: int = 0) -> dict:  # fmt: skip
+    """Where val ppl stops improving. Walks the curve keeping the best point; after `patience`
+    consecutive points that do not improve on it (improves()), the run has plateaued, but not
+    at a point before min_steps (a small LM sits on a unigram plateau early in training).
+    Returns {"best": the best point (the lowest ppl seen, even below min_rel_delta steps),
+    "plateaued": bool, "stop_index": index of the point where patience ran out, or None}."""
+    if patience < 1:
+        raise ValueError(f"patience must be >= 1 evaluations, got {patience}")
+    if not curve:
+        raise ValueError("an empty curve has no plateau: the arm recorded no evaluation")
+    ref, best, bad = math.inf, None, 0  # ref: the ppl later points must beat by min_rel_delta
+    for i, p in enumerate(curve):
+        if best is None or p["ppl"] < best["ppl"]:
+            best = p
+        if improves(p["ppl"], ref, min_rel_delta):
+            ref, bad = p["ppl"], 0
+        else:
+            bad += 1
+            if bad >= patience and p["steps"] >= min_steps:
+                return {"best": best, "plateaued": True, "stop_index": i}
+    return {"best": best, "plateaued": False, "stop_index": None}
+
+
+def multiplier(reach: dict | None, full_best: dict) -> dict:
+    """B-F multiplier (steps to reach full's best / full's steps to its best) and wall-clock
+    ratio (seconds to reach it / full's seconds to its best); None where it was not reached."""
+    if full_best["steps"] <= 0 or full_best["seconds"] <= 0:
+        raise ValueError(f"full's best point must have steps and seconds > 0, got {full_best}")
+    if reach is None:
+        return {"bf_multiplier": None, "time_ratio": None, "reached": False}
+    return {"bf_multiplier": reach["steps"] / full_best["steps"],
+            "time_ratio": reach["seconds"] / full_best["seconds"], "reached": True}  # fmt: skip
+
+
+def select_lr(runs: dict[float, list[dict]], score: str, tie: str | None = None) -> dict:
+    """Best lr of one arm: runs maps lr -> that lr's per-seed records; the lr with the lowest
+    median `score` over seeds (spread's rule: None is not reached) wins, ties broken by the
+    lowest median `tie`, then the lowest lr. Returns {"lr", "median": its median score, "edge":
+    the winner is the grid's lowest or highest lr (widen the sweep), "by_lr": {lr: median}}."""
+    if not runs:
+        raise ValueError("no lr was run: nothing to select")
+
+    def med(recs, key):
+        m = spread([r[key] for r in recs])["median"] if key else 0.0
+        return math.inf if m is None else m
+
+    by_lr = {lr: med(recs, score) for lr, recs in runs.items()}
+    lr = min(runs, key=lambda x: (by_lr[x], med(runs[x], tie), x))
+    grid = sorted(runs)
+    return {"lr": lr, "median": None if math.isinf(by_lr[lr]) else by_lr[lr],
+            "edge": len(grid) > 1 and lr in (grid[0], grid[-1]),
+            "by_lr": {k: (None if math.isinf(v) else v) for k, v in sorted(by_lr.items())}}  # fmt: skip
+
+
+def interleave(items: list, shift: int) -> list:
+    """items rotated by `shift` (per seed), so no arm always runs first on a shared machine."""
+    s = shift % len(items) if items else 0
+    return items[s:] + items[:s]

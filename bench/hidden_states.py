@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT, quiet
 
 CONFIGS = {"minilm": "configs/minilm.yaml", "gpt2": "configs/demo.yaml"}
 DEFAULT_OUT = Path("/tmp/preinfer_hidden")
@@ -56,7 +56,6 @@ def generate(
         ROOT / CONFIGS[model],
         [f"run.dir={run_dir}", f"data.max_documents={docs}", f"data.seq_len={seq_len}"],
     )
-    quiet = lambda *a, **k: None  # noqa: E731
     store = run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
     ckpt = Checkpoint.open(cfg.run.checkpoint)
@@ -106,7 +105,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--boundary", type=int)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--tiny", action="store_true", help="gpt2, 8 states of 20 documents (tests)")
     a = ap.parse_args(argv)
+    if a.tiny:
+        a.model, a.samples, a.docs, a.seq_len = ["gpt2"], 8, 20, 16
     torch.set_num_threads(min(2, torch.get_num_threads()))
     written = {}
     for m in a.model:

@@ -1,82 +1,48 @@
 """Peers: BCD with the cache against recompute, full fine-tuning, BAdam and LoRA (#27 item 6).
 
-    python -m bench.peers --quick                       # make bench: 1 lr per arm, 4 steps of
-        # batch 4 per block visit, 1 seed: 7.3 min on 2 CPUs at load average 9.7 -> 4.7
-        # (bench/results/peers-quick-20261201-163112.json)
-    nice -n 19 .venv/bin/python -m bench.peers --work runs/peers   # the full form, by hand: 3 lrs
-        # per arm on seed 0, then seeds 1 and 2 at each arm's best lr, 30 steps of batch 8 per
-        # block visit (28 arm runs; from the quick run's step times, several hours on 2 CPUs;
-        # --work keeps the data, token store and init checkpoint for a rerun)
-    python -m bench.peers --quick --model tiny --inline # a tiny random LLaMA, arms in this process
-        # (tests/test_peers_bench.py; --inline: peak RSS is then not each arm's own)
-    python -m bench.peers --quick --sweep               # the quick steps, 3 lrs per arm swept
-    python -m bench.peers --seeds 0 --lrs full=3e-5,1e-4,3e-4   # the full form's sweep only,
-        # with full's grid moved up one step
-    python -m bench.peers --arms bcd --lrs bcd=3e-4 --cache-dtype fp32   # bcd with caches that
-        # hold the prefix's fp32 hidden states (the cache's rounding, against bcd-recompute)
-    python -m bench.peers --arms bcd badam-blocks full --bcd-set model.tie_embeddings=false \
-        --bcd-set train.always_train=[head]   # bcd with the tied head untied for training and
-        # trained in every visit (its own init checkpoint); the other arms as they are
-    python -m bench.peers --work runs/peers --jobs 2 --resume   # two arms at a time (each arm
-        # then shares the machine with another: the load is recorded per run); --resume reuses
-        # every run whose record <work>/runs/*.json the same settings made (a stopped bench
-        # goes on where it stopped)
+    python -m bench.peers --quick               # make bench: 1 lr per arm, 4 steps of batch 4
+                                                # per visit, 1 seed (minutes)
+    python -m bench.peers --work runs/peers     # the full form (hours): 3 lrs per arm on seed 0,
+                                                # seeds 1, 2 at each arm's best, 30 steps of 8
+    python -m bench.peers --quick --model tiny --inline  # a tiny random LLaMA, arms in-process
+    python -m bench.peers --quick --sweep       # the quick steps, 3 lrs per arm
+    python -m bench.peers --arms bcd --lrs bcd=3e-4 --cache-dtype fp32   # fp32 caches
+    python -m bench.peers --arms bcd full --bcd-set model.tie_embeddings=false \
+        --bcd-set train.always_train=[head]     # the bcd arms untied, the head in every visit
+    python -m bench.peers --work runs/peers --jobs 2 --resume   # two arms at a time; reuse
+                                                # every run record the same settings made
 
-Without the real model or the `real` extra (badam, peft) the default run prints why and
-returns {"skipped": ...} (`make bench` runs every bench module's --quick form).
+Without the real model or the `real` extra (badam, peft) it prints why and returns
+{"skipped": ...}. The model (default models/smollm2-135m-instruct, `make real-model`: LLaMA
+layout, tied) is fine-tuned on prompt/response pairs from the stdlib's docstrings ("What does
+`module.name` do?" -> its first paragraph; 1,200 in a fixed hash order, sha256 recorded; or
+--data sitepkgs, the held-out set). One token store (configs/finetune.yaml, the loss on
+response tokens) and one init checkpoint serve every arm; each arm runs in its own process
+(bench/arms.py, the arm runner of study and economics too). Arms:
 
-A real pretrained model (default models/smollm2-135m-instruct: SmolLM2-135M-Instruct, LLaMA
-layout, tied embeddings; `make real-model` makes it) fine-tuned on offline instruction data:
-prompt/response pairs built from the Python standard library's docstrings (prompt: the chat
-turn "What does `module.name` do?", response: the first paragraph of its docstring; 1,200
-pairs in a fixed hash order, deterministic for a Python version; the jsonl's sha256 is
-recorded). One token store (configs/finetune.yaml, data.format=prompt_response: the loss
-counts response tokens only) and one init checkpoint serve every arm. Arms:
+  bcd            preinfer's rotation with the cache (run_bcd, the product's defaults, M blocks
+                 ascending, train.cache_visits M: each visit its own rows)
+  bcd-recompute  the same rotation, the frozen prefix rerun every step, at bcd's lr
+  full           AutoModelForCausalLM, AdamW on every parameter
+  badam-layers   PyPI badam's BlockOptimizer, its default block list (one per layer), switching
+                 every (M x steps per visit) / L steps: a round visits every layer once
+  badam-blocks   the same over preinfer's M blocks, steps per visit steps per block
+  lora           PyPI peft, r 16, alpha 32, "all-linear"
 
-  bcd            preinfer's rotation with the cache: pipelines.bcd.run_bcd (M blocks ascending,
-                 train.max_steps steps per visit, 1 pass over each visit's rows, AdamW, one
-                 warmup + cosine over the rotation, AdamW state kept across rounds: the
-                 product's defaults; train.cache_visits M: each visit its own rows, as every
-                 arm reads them)
-  bcd-recompute  the same rotation, the frozen prefix rerun every step (run_bcd mode
-                 bcd-recompute), at bcd's lr: the cache's own saving, same visits
-  full           plain transformers: AutoModelForCausalLM from the model dir, AdamW on every
-                 parameter, one warmup + cosine over the run
-  badam-layers   PyPI badam's BlockOptimizer over that HF model with its default block list
-                 (one block per layer; embedding and final norm never trained), ascending, one
-                 warmup + cosine over the run (BAdam's recipe); it switches block every
-                 (M x steps per visit) / L steps, so a round visits every layer once
-  badam-blocks   the same with preinfer's M blocks as its block list (the checkpoint's
-                 partition: embedding + first layers, ..., last layers + final norm), ascending,
-                 steps per visit steps per block: the rotation's blocks and steps
-  lora           PyPI peft on that HF model: r 16, alpha 32, every linear layer of the
-                 transformer ("all-linear"), AdamW, one warmup + cosine over the run
-
-Every arm reads the same batches: the HF arms read, for visit (round r, block k), the batches
-bcd-recompute (and bcd's block 0) reads (preinfer.batches.TokenBatches over the round's sampled
-rows, preinfer.cache_identity.sample_indices / row_order, seeded per visit); bcd's later
-blocks read the same rows from the cache. Same steps in every arm (rounds x M x steps per
-visit), batch, weight decay 1e-5, gradient clipping 1.0, fp32 (BAdam expects bf16 weights and
-keeps fp32 copies of the active block; on an AVX2 CPU bf16 matmuls are ~50x slower, so the
-model is fp32 and BAdam's copy duplicates the active block). The HF arms compute the LM head on
-response positions only, as preinfer's loss does, so no arm pays the head where no label counts.
-
-Measured: val loss (response tokens only, the first eval_batches x batch val rows, the same in
-every arm: preinfer.loss.evaluate_tokens; for the bcd arms through `preinfer eval` of the run's
-checkpoint, made in the parent process while the arm waits) after every visit's worth of steps,
-against training seconds: everything the arm does (model load, cache builds, visits, commits,
-the HF arms' final save_pretrained) less evaluations (the bench's, and the visit's own val
-evaluation). Each arm runs in its own subprocess (`--child`): its peak RSS is the kernel's
-high-water mark (VmHWM) polled every 10 ms after the imports, paused around the bench's
-evaluations (the product resets it at every visit, preinfer.trainer.reset_peak_memory, so it is
-polled, not read once). Arms interleave (the order rotates with the seed); the full form sweeps
-each arm's lr on the first seed, then runs the other seeds at each arm's best lr (lowest final
-val loss). Targets (issue #27): bcd's wall-clock to BAdam's final val loss / BAdam's (<= 0.8);
-bcd's val loss at full's wall-clock / full's (stretch <= 1.0); bcd's peak RSS / BAdam's
-(<= 1.0). Curve points are visit ends, so "time to reach" is the first visit end at or below.
-One torch thread per arm by default (--threads): with other work on the 2 CPUs, two threads
-spend their time waiting on each other (a 256x576x1536 matmul at load ~9: 24 GFLOP/s on one
-thread, 8 on two).
+Every arm reads the same batches (the HF arms those bcd-recompute reads for visit (r, k):
+preinfer.batches.TokenBatches over the visit's rows), the same steps, batch, weight decay
+1e-5, clipping 1.0, one warmup + cosine over the run, fp32 (bf16 matmuls are ~50x slower on an
+AVX2 CPU), the LM head on response positions only. Measured after every visit: val loss (the
+first eval_batches x batch val rows, preinfer.loss.evaluate_tokens; the bcd arms' by `preinfer
+eval` of their checkpoint, in the parent while the arm waits) against training seconds (less
+every evaluation), and each arm's peak RSS (VmHWM polled every 10 ms, paused around the
+bench's evaluations). The full form sweeps each arm's lr on the first seed, then runs the
+others at each arm's best (lowest final val loss). Targets (#27): bcd's wall-clock to BAdam's
+final val loss / BAdam's (<= 0.8), bcd's val loss at full's wall-clock / full's (<= 1.0), bcd's
+peak RSS / BAdam's (<= 1.0); a curve point is a visit's end. Medians over all seeds, a seed that
+did not reach counted as not reached (harness.spread: "n of N reached"); a target whose median
+is not reached is missed. One torch thread per arm by default (--threads): on 2 busy CPUs two
+threads wait on each other.
 """
 
 from __future__ import annotations
@@ -84,9 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -97,19 +61,35 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from bench.harness import headline_table, load_average, results_path, without_paths, write_results
-from bench.peers_arms import ARMS, child_main, run_arm, spawn_arm
-from bench.peers_data import FULL, QUICK, REAL_MODEL, ROOT, TINY, eval_run, missing_parts, prepare
+from bench.arms import run_arm
+from bench.harness import (
+    ROOT,
+    first_reach,
+    headline_table,
+    interleave,
+    load_average,
+    reached,
+    results_path,
+    select_lr,
+    show,
+    spread,
+    without_paths,
+    write_results,
+)
+from bench.peers_arms import (
+    ARMS,
+    BCD_ARMS,
+    FINETUNE,
+    FULL,
+    QUICK,
+    REAL_MODEL,
+    TINY,
+    missing_parts,
+    prepare_peers,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The study
-
-
-def first_at_or_below(curve: list[dict], loss: float) -> dict | None:
-    for p in curve:
-        if p["loss"] <= loss:
-            return p
-    return None
 
 
 def loss_at(curve: list[dict], seconds: float) -> float:
@@ -124,7 +104,7 @@ def targets(runs: dict[str, dict]) -> dict:
     for b in ("badam-layers", "badam-blocks"):
         if b not in runs:
             continue
-        hit = first_at_or_below(bcd["curve"], runs[b]["final_loss"])
+        hit = first_reach(bcd["curve"], runs[b]["final_loss"], "loss")
         out[f"bcd_time_to_{b}_loss"] = hit["seconds"] / runs[b]["seconds"] if hit else None
         out[f"bcd_peak_over_{b}"] = bcd["peak_rss_mb"] / runs[b]["peak_rss_mb"]
         # the same steps: where bcd ends level with b, the time to b's loss hangs on ~1e-3
@@ -140,19 +120,6 @@ def targets(runs: dict[str, dict]) -> dict:
     if "bcd-recompute" in runs:
         out["bcd_over_recompute_seconds"] = bcd["seconds"] / runs["bcd-recompute"]["seconds"]
     return out
-
-
-def spread(vals: list[float | None]) -> dict:
-    """Median and [min, max] over ALL seeds, a seed that never reached (None) counted as not
-    reached (above every reached value): the median is None when half or more did not reach."""
-    v = sorted(x for x in vals if x is not None)
-    n, of = len(v), len(vals)
-    if not v:
-        return {"median": None, "min": None, "max": None, "n": 0, "of": of}
-    ranked = v + [math.inf] * (of - n)
-    med = statistics.median(ranked)
-    return {"median": None if math.isinf(med) else med, "min": v[0],
-            "max": v[-1] if n == of else None, "n": n, "of": of}  # fmt: skip
 
 
 TARGETS = [  # key, what, target, met when
@@ -173,30 +140,22 @@ TARGETS = [  # key, what, target, met when
 ]  # fmt: skip
 
 
-def _fmt(v, f="{:.3f}") -> str:
-    return "n/a" if v is None else f.format(v)
-
-
 def render(res: dict) -> str:
     rows = [("arm", "lr", "val loss: start -> final (median [min, max])", "train s (median)",
              "peak RSS MiB (growth)", "trainable params", "steps", "load at start")]  # fmt: skip
     for arm, s in res["arms"].items():
-        fl, sec = s["final_loss"], s["seconds"]
-        rows.append((arm, f"{s['lr']:g}",
-                     f"{s['start_loss']:.4f} -> {fl['median']:.4f} [{fl['min']:.4f}, {fl['max']:.4f}]",
-                     f"{sec['median']:.0f} [{sec['min']:.0f}, {sec['max']:.0f}]",
+        rows.append((arm, f"{s['lr']:g}", f"{s['start_loss']:.4f} -> {show(s['final_loss'], '{:.4f}')}",
+                     show(s["seconds"], "{:.0f}"),
                      f"{s['peak_rss_mb']['median']:.0f} ({s['peak_growth_mb']['median']:.0f})",
                      s["trainable"], str(s["steps"]), str(s["load_start"])))  # fmt: skip
-    t = [("target (issue #27)", "median", "[min, max]", "seeds", "target", "met")]
+    t = [("target (issue #27)", "median [min, max]", "seeds", "target", "met")]
     for key, what, goal, ok in TARGETS:
         s = res["targets"].get(key)
         if s is None:
             continue
-        m = s["median"]
-        met = "" if ok is None else ("n/a" if m is None else ("yes" if ok(m) else "NO"))
-        f = "{:+.4f}" if key.endswith("_loss") and key.startswith("bcd_minus") else "{:.3f}"
-        t.append((what, _fmt(m, f), f"[{_fmt(s['min'], f)}, {_fmt(s['max'], f)}]",
-                  f"{s['n']}/{s['of']}", goal, met))  # fmt: skip
+        met = "" if ok is None else ("yes" if s["median"] is not None and ok(s["median"]) else "NO")
+        f = "{:+.4f}" if key.startswith("bcd_minus") else "{:.3f}"
+        t.append((what, show(s, f), reached(s) if "time_to" in key else str(s["of"]), goal, met))
     sweep = [("arm", "lr", "seed", "final val loss", "train s", "peak RSS MiB", "load at start")]
     for r in res["runs"]:
         sweep.append((r["arm"], f"{r['lr']:g}", str(r["seed"]), f"{r['final_loss']:.4f}",
@@ -249,12 +208,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--blocks", type=int, default=None,
                     help="M: blocks of the rotation, and of badam-blocks' block list (default 3)")  # fmt: skip
-    ap.add_argument(
-        "--cache-dtype",
-        default=None,
-        choices=["bf16", "fp16", "fp32"],
-        help="cache.dtype of the bcd arm (default bf16)",
-    )
+    ap.add_argument("--cache-dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                    help="cache.dtype of the bcd arm (default bf16)")  # fmt: skip
     ap.add_argument("--data", default=None, choices=["stdlib", "sitepkgs"],
                     help="instruction set: stdlib docstrings (default) or the held-out "
                          "site-packages docstrings")  # fmt: skip
@@ -280,11 +235,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--keep", action="store_true", help="keep every run's checkpoint / weights")
     ap.add_argument("--work", default=None, help="keep data, tokens, init and runs here")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.child is not None:
-        child_main(a.child)
-        return {}
     sc = dataclasses.replace(TINY if a.model == "tiny" else QUICK if a.quick else FULL)
     for name, v in (("seeds", a.seeds), ("steps_per_visit", a.steps), ("rounds", a.rounds),
                     ("M", a.blocks), ("cache_dtype", a.cache_dtype), ("data", a.data),
@@ -325,20 +276,22 @@ def main(argv=None) -> dict:
     t0, load0 = time.perf_counter(), load_average()
     print(f"peers: {a.model} ({'quick' if a.quick else 'full'}), arms {' '.join(a.arms)}, "
           f"seeds {sc.seeds}, load average {load0}")  # fmt: skip
-    prep = prepare(sc, work, a.model)
+    prep = prepare_peers(sc, work, a.model)
     (work / "logs").mkdir(exist_ok=True)
     runs: list[dict] = []
 
     def one(arm: str, lr: float, seed: int) -> dict:
         name = f"{arm}-lr{lr:g}-s{seed}"
-        mine = arm.startswith("bcd")  # bcd, bcd-recompute: with --bcd-set's overrides
+        mine = arm in BCD_ARMS  # bcd, bcd-recompute: with --bcd-set's overrides
         spec = {"arm": arm, "lr": lr, "seed": seed, "M": sc.M, "model_dir": prep["model_dir"],
                 "overrides": [*prep["common"], *(prep["bcd_set"] if mine else [])],
                 "init": prep["bcd_init" if mine else "init"],
                 "initial_loss": prep["bcd_initial_loss" if mine else "initial_loss"],
-                "blocks": prep["blocks"],
-                "eval_batches": sc.eval_batches, "threads": a.threads, "keep": a.keep,
-                "inline": a.inline, "run_dir": str(work / "runs" / name)}  # fmt: skip
+                "blocks": prep["blocks"], "eval_batches": sc.eval_batches, "threads": a.threads,
+                "keep": a.keep, "inline": a.inline, "run_dir": str(work / "runs" / name),
+                "config": str(FINETUNE), "mode": arm if mine else None,
+                "runner": None if mine else "bench.peers_arms:hf_arm"}  # fmt: skip
+        spec["start"] = {"steps": 0, "seconds": 0.0, "loss": spec["initial_loss"]} if mine else None
         # what makes a run's result: a record made by another spec is not reused
         made_by = {k: v for k, v in spec.items() if k not in ("keep", "run_dir")}
         record = work / "runs" / f"{name}.json"
@@ -351,10 +304,7 @@ def main(argv=None) -> dict:
                 return r
             print(f"  {arm:>13} lr {lr:<7g} seed {seed}: {record.name} was made by other "
                   "settings: rerun", flush=True)  # fmt: skip
-        if a.inline:
-            r = run_arm(spec, lambda ov: eval_run(ov, sc.eval_batches))
-        else:
-            r = spawn_arm(spec, work / "logs" / f"{name}.log")
+        r = run_arm(spec, log_path=None if a.inline else work / "logs" / f"{name}.log")
         r["made_by"] = made_by
         runs.append(r)
         # each run's record as soon as it ends: a bench stopped midway keeps what ran
@@ -376,18 +326,15 @@ def main(argv=None) -> dict:
                 f.result()
 
     def order(i: int) -> list[str]:  # arms interleaved, the order rotated per seed
-        arms = [x for x in ARMS if x in a.arms]
-        return arms[i % len(arms):] + arms[: i % len(arms)]  # fmt: skip
+        return interleave([x for x in ARMS if x in a.arms], i)
 
     # seed 0: every lr of every swept arm, lrs interleaved across arms; then bcd-recompute at
     # bcd's best lr (its role is the same visits without the cache, not its own tuning)
     sweep = [x for x in order(0) if x != "bcd-recompute"]
     batch([(arm, sc.lrs[arm][i], sc.seeds[0]) for i in range(max(len(sc.lrs[x]) for x in sweep))
            for arm in sweep if i < len(sc.lrs[arm])])  # fmt: skip
-    best = {}
-    for arm in sweep:
-        mine = [r for r in runs if r["arm"] == arm]
-        best[arm] = min(mine, key=lambda r: (r["final_loss"], r["lr"]))["lr"]
+    best = {arm: select_lr({r["lr"]: [r] for r in runs if r["arm"] == arm}, "final_loss")["lr"]
+            for arm in sweep}  # fmt: skip
     later = []
     if "bcd-recompute" in a.arms:
         best["bcd-recompute"] = best["bcd"]

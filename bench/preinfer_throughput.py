@@ -39,13 +39,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import load_average, results_path, spread, write_results
+from bench.harness import (
+    headline_table,
+    load_average,
+    quiet,
+    results_path,
+    show,
+    spread,
+    write_results,
+)
 from bench.writer import moto_server
-from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.cache_build import build_cache, create_writers, plan_block, refresh_cache
 from pipelines.init import run_init
 from pipelines.ray_env import ensure_ray
 from pipelines.tokenize import run_tokenize
-from preinfer.cache_identity import compute_choice, plan_caches
+from preinfer.cache_identity import compute_choice
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import load_config
 from preinfer.device import pin_threads, resolve_device, torch_dtype
@@ -53,10 +61,6 @@ from preinfer.prefix import forward_prefix
 from storage.cache import CacheWriter
 from storage.layout import remove_cache
 from storage.tokens import TokenStore
-
-
-def quiet(*a, **k):
-    pass
 
 
 def tokens_total(cfg) -> int:
@@ -69,7 +73,7 @@ def build_inputs(cfg, block: int) -> list[list[torch.Tensor]]:
     order: per cache (train, val), per shard, the shard's rows cut every micro_batch rows."""
     mb = cfg.preinfer.micro_batch
     out = []
-    for p in plan_caches(cfg, block):  # creates the writers (samples.parquet): the build's rows
+    for p in create_writers(cfg, block):  # creates the writers (samples.parquet): the build's rows
         w = CacheWriter.open(cfg.cache.root, p.fingerprint)
         for s in range(w.num_shards):
             ids = torch.from_numpy(np.array(w.read_input_ids(*w.shard_range(s)))).long()
@@ -85,7 +89,7 @@ class BareForward:
     bare forward that dropped its outputs used 1.6x the CPU seconds of the build)."""
 
     def __init__(self, cfg, block: int, first: int = 0):
-        choice = compute_choice(cfg)
+        choice = compute_choice(cfg.preinfer, cfg.cache, cfg.run.device)
         self.dtype = torch_dtype(choice.compute)
         self.round_to = torch_dtype(choice.round_to) if choice.round_to else None
         ckpt = Checkpoint.open(cfg.run.checkpoint)
@@ -121,7 +125,7 @@ PHASES = ("read_s", "compute_s", "write_s")  # pipelines.cache_build.PHASES
 def timed_build(cfg, block: int, fn=build_cache, phases: list | None = None) -> float:
     """Seconds of one build (or refresh) of boundary `block`, its old caches removed first;
     appends the workers' summed phase seconds ({read_s, compute_s, write_s}) to `phases`."""
-    for p in plan_caches(cfg, block, create=False):
+    for p in plan_block(cfg, block).caches:
         remove_cache(cfg.cache.root, p.fingerprint)
     t0 = time.perf_counter()
     res = fn(cfg, block, log=quiet)
@@ -202,7 +206,7 @@ def _run(args, over: list[str], tag: str) -> dict:
     threads = pin_threads()  # as PrefixWorker pins them
     K = args.block
     res: dict = {"bench": "preinfer_throughput", "tokens": ntok, "dtype": args.dtype,
-                 "compute": compute_choice(cfg).compute, "set": args.set, "threads": threads,
+                 "compute": compute_choice(cfg.preinfer, cfg.cache, cfg.run.device).compute, "set": args.set, "threads": threads,
                  "block": K, "micro_batch": args.micro_batch, "repeats": args.repeats,
                  "documents": args.documents, "s3": args.s3, "codec": cfg.cache.codec,
                  "codec_threads": cfg.cache.codec_threads, "load_before": load_average(),
@@ -242,7 +246,7 @@ def _run(args, over: list[str], tag: str) -> dict:
         # first shard, the workers' summed phases, and the rest (plan, finalize)
         res["arms"]["actors"]["phases"] = {n: p[1:] for n, p in ph.items()}  # after warm-up
     for k in (2, 3) if "refresh" in args.arms else ():
-        if not all(p.complete for p in plan_caches(local, k - 1, create=False)):
+        if not plan_block(local, k - 1).reads.complete:
             build_cache(local, k - 1, log=quiet)  # the refresh's source stays
         bk = build_inputs(local, k)
         one = BareForward(local, k, first=k - 1)
@@ -265,39 +269,28 @@ def _run(args, over: list[str], tag: str) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = [
-        f"workload: {res['tokens']:,} tokens (train+val), cache {res['dtype']}, compute "
-        f"{res['compute']}, micro-batch {res['micro_batch']}, {res['threads']} threads, "
-        f"{res['repeats']} paired repeats after one warm-up; OMP_WAIT_POLICY "
-        f"{res['omp_wait_policy']}; load average before "
-        f"{res['load_before']}, after {res['load_after']}"
-        + (f"; overrides: {' '.join(res['set'])}" if res.get("set") else ""),
-        "",
-        "| arms | arm | seconds median (min..max) | tokens/s | bare / arm median (min..max) "
-        "| CPU seconds | bare / arm by CPU seconds |",
-        "|---|---|---|---|---|---|---|",
-    ]
-
-    def rng(r):
-        return (
-            "1 (reference)" if r is None else f"{r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f})"
-        )
-
+    rows = [("arms", "arm", "seconds median [min, max]", "tokens/s", "bare / arm median [min, max]",
+             "CPU seconds", "bare / arm by CPU seconds")]  # fmt: skip
     for name, a in res["arms"].items():
         for arm, s in a["seconds"].items():
-            lines.append(f"| {name} | {arm} | {s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}) "
-                         f"| {res['tokens'] / s['median']:,.0f} | {rng(a['ratio'].get(arm))} "
-                         f"| {a['cpu_seconds'][arm]['median']:.2f} "
-                         f"| {rng(a['cpu_ratio'].get(arm))} |")  # fmt: skip
+            rows.append((name, arm, show(s), f"{res['tokens'] / s['median']:,.0f}",
+                         show(a["ratio"][arm]) if arm in a["ratio"] else "1 (reference)",
+                         f"{a['cpu_seconds'][arm]['median']:.2f}",
+                         show(a["cpu_ratio"][arm]) if arm in a["cpu_ratio"] else "1 (reference)"))  # fmt: skip
         for n, ps in (a.get("phases") or {}).items() if name == "actors" else ():
             su = statistics.median(p["startup_s"] for p in ps)
             work = statistics.median(sum(p[k] for k in PHASES) for p in ps)
-            lines.append(f"| {name} | {n} actor(s): start-up s / workers' read+compute+write s "
-                         f"| {su:.2f} / {work:.2f} | | | | |")  # fmt: skip
+            rows.append((name, f"{n} actor(s): start-up s / workers' read+compute+write s",
+                         f"{su:.2f} / {work:.2f}", "", "", "", ""))  # fmt: skip
         if "refresh_over_build" in a:
-            lines.append(f"| {name} | refresh / build seconds | {a['refresh_over_build']:.2f} "
-                         f"(ideal {a['ideal']:.2f}) | | | | |")  # fmt: skip
-    return "\n".join(lines)
+            rows.append((name, "refresh / build seconds", f"{a['refresh_over_build']:.2f} (ideal "
+                         f"{a['ideal']:.2f})", "", "", "", ""))  # fmt: skip
+    return (f"workload: {res['tokens']:,} tokens (train+val), cache {res['dtype']}, compute "
+            f"{res['compute']}, micro-batch {res['micro_batch']}, {res['threads']} threads, "
+            f"{res['repeats']} paired repeats after one warm-up; OMP_WAIT_POLICY "
+            f"{res['omp_wait_policy']}; load average before {res['load_before']}, after "
+            f"{res['load_after']}" + (f"; overrides: {' '.join(res['set'])}" if res.get("set") else "")
+            + "\n\n" + headline_table(rows))  # fmt: skip
 
 
 def ensure_omp_wait(policy: str, argv: list[str]) -> None:

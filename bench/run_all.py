@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT, headline_table, rel
+
 BENCH = Path(__file__).resolve().parent
 SELF = Path(__file__).resolve().name
 NOT_IN_SUITE = ("gpu_check.py",)  # needs a GPU machine: bash bench/gpu_check.sh
@@ -106,7 +107,7 @@ def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool =
     cmd = [sys.executable, "-c", _CHILD, script["module"], *argv]
     cwd = Path(script["path"]).parent.parent  # the repo root for bench/'s own benchmarks
     t0 = time.perf_counter()
-    rec: dict = {"argv": argv, "log": _rel(log_path)}
+    rec: dict = {"argv": argv, "log": rel(log_path)}
     with open(log_path, "w") as logf:
         try:
             proc = subprocess.run(
@@ -140,13 +141,6 @@ def _tail(path: Path, n: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
-
-
-def _rel(p: Path) -> str:
-    try:
-        return str(Path(p).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,23 +198,16 @@ def headline(result: dict, n: int = 6) -> str:
 
 
 def markdown(run: dict, max_rows: int = 60) -> str:
-    L = [
-        f"# Benchmarks ({run['started']})",
-        "",
-        f"`{run['command']}` on {run['host']['cpus']} CPUs ({run['host']['machine']}, "
-        f"Python {run['host']['python']}, load average {run['host']['loadavg_start']:.1f} at "
-        f"start); commit `{run['commit']}`; total {run['seconds'] / 60:.1f} min. "
-        f"Raw: `{run['json']}`.",
-        "",
-        "| script | status | args | time (s) | key results |",
-        "|---|---|---|---|---|",
-    ]
+    rows = [("script", "status", "args", "time (s)", "key results")]
     for name, rec in run["scripts"].items():
         what = headline(rec["result"]) if rec["status"] == "ok" else fmt(rec.get("error", ""))
-        L.append(
-            f"| `{name}` | {rec['status']} | {' '.join(rec['argv']) or '(defaults)'} | "
-            f"{rec['seconds']:.0f} | {what} |"
-        )
+        rows.append((f"`{name}`", rec["status"], " ".join(rec["argv"]) or "(defaults)",
+                     f"{rec['seconds']:.0f}", what))  # fmt: skip
+    L = [f"# Benchmarks ({run['started']})", "",
+         f"`{run['command']}` on {run['host']['cpus']} CPUs ({run['host']['machine']}, Python "
+         f"{run['host']['python']}, load average {run['host']['loadavg_start']:.1f} at start); "
+         f"commit `{run['commit']}`; total {run['seconds'] / 60:.1f} min. Raw: `{run['json']}`.",
+         "", headline_table(rows)]  # fmt: skip
     for name, rec in run["scripts"].items():
         L += ["", f"## {name}", ""]
         if rec["status"] != "ok":
@@ -237,16 +224,8 @@ def markdown(run: dict, max_rows: int = 60) -> str:
 
 def _commit() -> str:
     try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or "unknown"
-        )
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -269,34 +248,22 @@ def main(argv: list[str] | None = None) -> dict:
     scripts = [s for s in scripts if s["name"] not in args.skip]
     results_dir = Path(args.results_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run = {
-        "command": "python -m bench.run_all" + (" " + " ".join(argv) if argv else ""),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": _commit(),
-        "host": {
-            "cpus": os.cpu_count(),
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-            "loadavg_start": os.getloadavg()[0],
-        },
-        "scripts": {},
-    }
+    run = {"command": "python -m bench.run_all" + (" " + " ".join(argv) if argv else ""),
+           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit(), "scripts": {},
+           "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                    "python": platform.python_version(), "loadavg_start": os.getloadavg()[0]}}  # fmt: skip
     t0 = time.perf_counter()
     for s in scripts:
         print(f"bench: {s['name']} ...", flush=True)
-        rec = run_script(
-            s,
-            timeout=args.timeout,
-            log_dir=results_dir / f"{stamp}-logs",
-            use_quick=not args.no_quick,
-        )
+        rec = run_script(s, timeout=args.timeout, log_dir=results_dir / f"{stamp}-logs",
+                         use_quick=not args.no_quick)  # fmt: skip
         run["scripts"][s["name"]] = rec
         print(f"bench: {s['name']}: {rec['status']} in {rec['seconds']:.0f} s", flush=True)
     run["seconds"] = time.perf_counter() - t0
     run["host"]["loadavg_end"] = os.getloadavg()[0]
     json_path = results_dir / f"{stamp}.json"
     md_path = results_dir / f"{stamp}.md"
-    run["json"], run["markdown"] = _rel(json_path), _rel(md_path)
+    run["json"], run["markdown"] = rel(json_path), rel(md_path)
     results_dir.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(run, indent=1))
     md_path.write_text(markdown(run))

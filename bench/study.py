@@ -11,7 +11,8 @@ training, each arm's lr swept, best against best.
 
 (from the repo root). Per layout (gpt2: tied head, wte in block 0; llama: untied head in the
 last block, GQA 2:1) and seed, every arm starts from the same init checkpoint and token store
-(bench/study_arms.py runs one arm; bench/study_curves.py holds the arithmetic):
+and runs in its own process (bench/arms.py; --inline: in this one; the arithmetic is
+bench/harness.py's):
 
   full           every parameter, from tokens, until its val ppl stops improving: `patience`
                  whole-val evaluations (every steps_per_visit steps) without a gain of more
@@ -28,8 +29,9 @@ best; wall-clock ratio = BCD seconds to it / full's seconds to its best (clocks:
 product does minus every evaluation). Every arm's lr is swept over Scale.lrs: full's best lr
 has the lowest median best ppl over seeds; a BCD arm's the lowest median B-F multiplier (not
 reached = infinite; ties: lowest median ppl). A best lr at the grid's edge is flagged: widen the
-sweep. Medians and [min, max] over seeds; arms interleaved (the lr x arm order rotated per seed;
-full's runs come first, since every BCD arm needs its target);
+sweep. Medians and [min, max] over all seeds, a seed that did not reach counted as not reached
+(harness.spread), "n of N reached" beside them; arms interleaved (the lr x arm order rotated per
+seed; full's runs come first, since every BCD arm needs its target);
 the load average at every arm's start and end. Output: a printed table and
 bench/results/study[-quick|-tiny]-<time>.json (no machine paths).
 """
@@ -39,29 +41,73 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from bench.harness import headline_table, load_average, results_path, write_results
-from bench.study_arms import LAYERS_HEAVY, LAYOUTS, TINY_MODEL, Arm, Scale, Stop, run_arm
-from bench.study_curves import (
-    cap_steps,
+from bench.arms import Stop, prepare, run_arm
+from bench.harness import (
     first_reach,
+    headline_table,
     interleave,
+    load_average,
     multiplier,
     plateau,
+    reached,
+    rel,
+    results_path,
     select_lr,
-    summarize,
+    show,
+    spread,
+    write_results,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 
+@dataclass
+class Scale:
+    """Sizes of one study (model and data as config overrides); economics' too."""
+
+    model: list[str]  # model.* overrides of both layouts (the layout adds arch and tying)
+    documents: int
+    seq_len: int = 64
+    batch_size: int = 16
+    vocab: int = 2048
+    val_fraction: float = 0.02
+    steps_per_visit: int = 30  # a BCD visit's steps (train.max_steps); full's eval interval
+    full_cap: int = 1800  # full's step cap and cosine horizon (patience may stop it sooner)
+    patience: int = 3  # full stops after this many evaluations without improvement ...
+    min_rel_delta: float = 0.005  # ... by more than this fraction of the best
+    min_steps: int = 0  # ... but not before this many steps (early loss plateaus)
+    bcd_factor: float = 3.0  # BCD arms run to full's best ppl or this x full's steps to it
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    lrs: list[float] = field(default_factory=lambda: [1e-3, 2e-3, 4e-3])  # every arm's sweep
+    warmup_steps: int = 5
+    val_batches: int = 16  # a curve point reads the first val_batches x batch val rows (0: all)
+
+
+@dataclass
+class Arm:
+    """One arm: its name, mode (train.mode) and config overrides on top of the study's."""
+
+    name: str
+    overrides: list[str]
+    mode: str = "bcd"
+
+
+LAYOUTS = {
+    "gpt2": ["model.arch=gpt2"],  # tied: the LM head is wte, block 0's
+    "llama": ["model.arch=llama", "model.tie_embeddings=false", "model.num_kv_heads=2"],
+}
+LAYERS_HEAVY = ["model.hidden_size=256", "model.num_layers=6", "model.num_heads=4",
+                "model.max_positions=128"]  # fmt: skip
+TINY_MODEL = ["model.hidden_size=32", "model.num_layers=6", "model.num_heads=2",
+              "model.max_positions=16"]  # fmt: skip
 DEFAULT = Scale(model=LAYERS_HEAVY, documents=100, full_cap=2400, patience=4, min_steps=300)
 QUICK = Scale(
     model=["model.hidden_size=64", "model.num_layers=6", "model.num_heads=2",
@@ -93,6 +139,53 @@ BASE_ARMS = {
 SHARED = ("model.", "data.", "partition.", "run.")  # every arm must share these: full is shared
 
 
+def study_overrides(sc: Scale, work: Path, layout: str, M: int, sets: list[str]) -> list[str]:
+    """The overrides every arm of (layout, M) shares, the study's --set last but the paths."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use one of {sorted(LAYOUTS)}")
+    return [
+        *sc.model, *LAYOUTS[layout], f"model.vocab_size={sc.vocab}", "data.source=builtin",
+        f"data.max_documents={sc.documents}", f"data.vocab_size={sc.vocab}",
+        f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
+        f"partition.num_blocks={M}", "cache.dtype=bf16", "cache.shard_mb=16",
+        f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
+        f"train.warmup_steps={sc.warmup_steps}", "train.eval_every=0", "train.eval_batches=4",
+        "train.workers=0", "train.checkpoint_every=0", "run.device=cpu", "run.tensorboard=false",
+        *sets, f"data.out_dir={work / 'tokens'}",
+    ]  # fmt: skip
+
+
+def init_dir(work: Path, layout: str, M: int, seed: int) -> Path:
+    return work / f"init-{layout}-M{M}-s{seed}"
+
+
+def run_one(sc: Scale, work: Path, arm: Arm, *, layout: str, M: int, seed: int, lr: float,
+            stop: Stop, config: str | None = None, sets: tuple[str, ...] = (),
+            inline: bool = False, threads: int | None = None, log=None) -> dict:  # fmt: skip
+    """One arm of (layout, M) from seed's init checkpoint (made once) and the shared token
+    store, to its stop rule (bench/arms.py runs it): its record."""
+    common = [*study_overrides(sc, work, layout, M, list(sets)), f"model.init_seed={seed}"]
+    init = init_dir(work, layout, M, seed)
+    if not (init / "checkpoint.json").is_file():
+        prepare(config, [*common, f"run.dir={work / 'prep'}"], init)
+    name = f"{layout}-{arm.name}-M{M}-s{seed}-lr{lr:g}"
+    over = [*common, *arm.overrides]
+    if arm.mode == "full":  # run_bcd's full mode trains rounds x M x a visit's steps: the cap
+        over += [f"train.max_steps={max(1, sc.full_cap // M)}", "train.epochs=null",
+                 "train.rounds=1", f"train.eval_every={sc.steps_per_visit}"]  # fmt: skip
+    spec = {"arm": arm.name, "mode": arm.mode, "lr": lr, "seed": seed, "config": config,
+            "overrides": over, "init": str(init), "run_dir": str(work / name), "stop": stop,
+            "eval_batches": sc.val_batches, "threads": threads}  # fmt: skip
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    rec = run_arm(spec, log_path=None if inline else work / "logs" / f"{name}.log")
+    rec.update(overrides=arm.overrides, layout=layout, M=M)
+    if log:
+        log(f"    {layout} M={M} s{seed} {arm.name:>14s} lr {lr:<7g} {rec['steps']:>5d} steps "
+            f"{rec['seconds']:7.1f}s ppl {rec['final_ppl'] or float('nan'):8.2f} peak "
+            f"{rec['peak_rss_mb']:.0f} MiB (load {rec['load_start']})")  # fmt: skip
+    return rec
+
+
 def parse_variant(spec: list[str]) -> Arm:
     """--variant NAME KEY=VALUE...: a BCD arm; train.mode=... in the overrides picks its mode."""
     name, *sets = spec
@@ -117,10 +210,11 @@ def parse_variant(spec: list[str]) -> Arm:
 def run_full(sc: Scale, work: Path, layout: str, M: int, opts: dict, log) -> dict:
     """Full at every (seed, lr), to its plateau. Returns {lr: [record per seed]}."""
     runs: dict[float, list[dict]] = {lr: [] for lr in sc.lrs}
+    stop = Stop(patience=sc.patience, min_rel_delta=sc.min_rel_delta, min_steps=sc.min_steps)
     for i, seed in enumerate(sc.seeds):
         for lr in interleave(list(sc.lrs), i):
-            rec = run_arm(sc, work, Arm("full", [], "full"), layout=layout, M=M, seed=seed, lr=lr,
-                          stop=Stop(patience=sc.patience), log=log, **opts)  # fmt: skip
+            rec = run_one(sc, work, Arm("full", [], "full"), layout=layout, M=M, seed=seed, lr=lr,
+                          stop=stop, log=log, **opts)  # fmt: skip
             p = plateau(rec["curve"], sc.patience, sc.min_rel_delta, sc.min_steps)
             rec.update(best=p["best"], plateaued=p["plateaued"], best_ppl=p["best"]["ppl"],
                        steps_to_best=p["best"]["steps"])  # fmt: skip
@@ -138,9 +232,9 @@ def run_bcd_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], fu
     jobs = [(a, lr) for lr in sc.lrs for a in arms]  # arms alternate within each lr
     for i, seed in enumerate(sc.seeds):
         best = full[seed]["best"]
-        stop = Stop(target_ppl=best["ppl"], cap_steps=cap_steps(best, sc.bcd_factor))
+        stop = Stop(target_ppl=best["ppl"], cap_steps=math.ceil(sc.bcd_factor * best["steps"]))
         for arm, lr in interleave(jobs, i):
-            rec = run_arm(sc, work, arm, layout=layout, M=M, seed=seed, lr=lr, stop=stop, log=log,
+            rec = run_one(sc, work, arm, layout=layout, M=M, seed=seed, lr=lr, stop=stop, log=log,
                           **opts)  # fmt: skip
             hit = first_reach(rec["curve"], best["ppl"])
             rec.update(multiplier(hit, best), reach_steps=hit["steps"] if hit else None)
@@ -154,75 +248,45 @@ def run_bcd_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], fu
 
 
 def analyse(full_runs: dict, bcd_runs: dict) -> dict:
-    """Best lr per arm and, at it, the per-seed figures with their medians and spread."""
+    """Best lr per arm and, at it, the per-seed figures with their spreads (harness.spread)."""
     fsel = select_lr(full_runs, "best_ppl", tie="steps_to_best")
     best_full = full_runs[fsel["lr"]]
-    out = {
-        "full": {
-            "select": fsel,
-            "best_ppl": summarize([r["best_ppl"] for r in best_full]),
-            "steps_to_best": summarize([r["steps_to_best"] for r in best_full]),
-            "seconds_to_best": summarize([r["best"]["seconds"] for r in best_full]),
-            "plateaued": sum(r["plateaued"] for r in best_full),
-            "seeds": len(best_full),
-        }
-    }
+    out = {"full": {"select": fsel, "plateaued": sum(r["plateaued"] for r in best_full),
+                    "seeds": len(best_full), "seconds_to_best":
+                    spread([r["best"]["seconds"] for r in best_full]),
+                    **{k: spread([r[k] for r in best_full]) for k in ("best_ppl", "steps_to_best")}}}  # fmt: skip
     for name, by_lr in bcd_runs.items():
         sel = select_lr(by_lr, "bf_multiplier", tie="best_ppl")
         recs = by_lr[sel["lr"]]
-        out[name] = {
-            "select": sel,
-            "reach_steps": summarize([r["reach_steps"] for r in recs]),
-            "bf_multiplier": summarize([r["bf_multiplier"] for r in recs]),
-            "time_ratio": summarize([r["time_ratio"] for r in recs]),
-            "best_ppl": summarize([r["best_ppl"] for r in recs]),
-            "cache_share": summarize([r["cache_share"] for r in recs]),
-            "reached": sum(r["reached"] for r in recs),
-            "seeds": len(recs),
-        }
+        out[name] = {"select": sel, "reached": sum(r["reached"] for r in recs), "seeds": len(recs),
+                     **{k: spread([r[k] for r in recs]) for k in ("reach_steps", "bf_multiplier",
+                        "time_ratio", "best_ppl", "cache_share")}}  # fmt: skip
     return out
-
-
-def _f(s: dict, fmt: str = "{:.2f}") -> str:
-    """A summary as 'median [min, max]', or n/a."""
-    if s["median"] is None:
-        return "n/a"
-    if s["n"] == 1:
-        return fmt.format(s["median"])
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
 
 
 def render(studies: list[dict]) -> str:
     rows = [("layout", "M", "arm", "best lr (sweep)", "best val ppl", "steps to full's best ppl",
              "B-F multiplier", "wall-clock / full's", "reached")]  # fmt: skip
     for s in studies:
-        a = s["analysis"]
-        for name, r in a.items():
+        for name, r in s["analysis"].items():
             sel = r["select"]
             lr = f"{sel['lr']:g}{' (edge)' if sel['edge'] else ''} ({', '.join(f'{x:g}' for x in sel['by_lr'])})"
+            head = (s["layout"], str(s["M"]), name, lr, show(r["best_ppl"], "{:.1f}"))
             if name == "full":
-                rows.append((s["layout"], str(s["M"]), "full", lr, _f(r["best_ppl"], "{:.1f}"),
-                             _f(r["steps_to_best"], "{:.0f}"), "1", "1",
+                rows.append((*head, show(r["steps_to_best"], "{:.0f}"), "1", "1",
                              f"plateau {r['plateaued']}/{r['seeds']}"))  # fmt: skip
             else:
-                rows.append((s["layout"], str(s["M"]), name, lr, _f(r["best_ppl"], "{:.1f}"),
-                             _f(r["reach_steps"], "{:.0f}"),
-                             _f(r["bf_multiplier"]), _f(r["time_ratio"]),
-                             f"{r['reached']}/{r['seeds']}"))  # fmt: skip
+                rows.append((*head, show(r["reach_steps"], "{:.0f}"), show(r["bf_multiplier"]),
+                             show(r["time_ratio"]), reached(r["bf_multiplier"])))  # fmt: skip
     return headline_table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
-    size.add_argument(
-        "--quick", action="store_true", help="LLaMA layout, M=3, one seed (make bench)"
-    )
-    size.add_argument(
-        "--small",
-        action="store_true",
-        help="the quick model to its plateau: both layouts, M=3, 3 seeds, 3 lrs (about an hour)",
-    )
+    size.add_argument("--quick", action="store_true", help="LLaMA layout, M=3, 1 seed (make bench)")
+    size.add_argument("--small", action="store_true", help="the quick model to its plateau: both "
+                      "layouts, M=3, 3 seeds, 3 lrs (about an hour)")  # fmt: skip
     size.add_argument("--tiny", action="store_true", help="a tiny model, seconds per arm (tests)")
     ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=None)
     ap.add_argument("--M", type=int, nargs="+", default=None, help="block counts")
@@ -237,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--config", default=None, help="a YAML under every arm's overrides")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a busy machine more threads spin and wait)")  # fmt: skip
+    ap.add_argument("--inline", action="store_true",
+                    help="run the arms in this process (peak memory then not each arm's own)")  # fmt: skip
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -261,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="study-")
     work = Path(a.work or tmp.name)
-    opts = {"config": a.config, "sets": tuple(a.sets)}
+    opts = {"config": a.config, "sets": tuple(a.sets), "inline": a.inline, "threads": a.threads}
     t0, load0 = time.perf_counter(), load_average()
     print(f"study ({preset}): layouts {layouts}, M {Ms}, seeds {sc.seeds}, lrs {sc.lrs}, "
           f"arms full + {[x.name for x in arms]} (load {load0})", flush=True)  # fmt: skip
@@ -287,13 +353,9 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     print(table)
     print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
-    out = (
-        Path(a.out)
-        if a.out
-        else results_path("study" + ("" if preset == "default" else f"-{preset}"))
-    )
+    out = Path(a.out or results_path("study" + ("" if preset == "default" else f"-{preset}")))
     write_results(out, res)
-    print(f"wrote {_rel(out)}")
+    print(f"wrote {rel(out)}")
     if tmp is not None:
         tmp.cleanup()
     head = {}
@@ -303,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                 key = f"{s['layout']}.M{s['M']}.{name}"
                 head[f"{key}.bf_multiplier"] = r["bf_multiplier"]["median"]
                 head[f"{key}.time_ratio"] = r["time_ratio"]["median"]
-    return {"headline": head, "results": _rel(out), "seconds": res["seconds"]}
+    return {"headline": head, "results": rel(out), "seconds": res["seconds"]}
 
 
 def command(argv: list[str] | None) -> str:
@@ -318,13 +380,6 @@ def command(argv: list[str] | None) -> str:
         else:
             args.append(x)
     return " ".join(["python -m bench.study", *args])
-
-
-def _rel(p: Path) -> str:
-    try:
-        return str(Path(p).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(p)
 
 
 if __name__ == "__main__":

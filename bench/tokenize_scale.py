@@ -9,8 +9,8 @@ tokenize is linear in time and holds a shard, not the corpus.
   Zipf-drawn synthetic words (document lengths uniform in [0.2, 1.8] x --doc-tokens).
 - Tokenizer: one byte-level BPE (vocab 4096), trained once on a small sample and passed as
   data.tokenizer, so every size measures the same work: read, hash, split, encode, pack, write.
-- Each size runs `run_tokenize` in a fresh subprocess; peak RSS is the child's VmHWM (also
-  shown: its growth over the RSS after the imports).
+- Each size runs `run_tokenize` in a fresh process (bench/arms.py's in_child); peak RSS is
+  its high-water mark after the imports (PeakMemory; also shown: the growth over that RSS).
 - --long-doc N: the time `pack` takes for one document of N token ids (the old rule deleted
   from the front of a list: quadratic, ~100 s for 10M).
 """
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.arms import PeakMemory, in_child
+from bench.harness import quiet
 
 VOCAB_WORDS = 20_000
 
@@ -79,32 +80,23 @@ def train_tokenizer(path: Path) -> float:
     return sum(len(e.ids) for e in enc) / (300 * 500)
 
 
-def _rss_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def child(corpus: str, tokenizer: str, run_dir: str, seq_len: int, shard_rows: int) -> None:
+def child(spec: dict, _ask=None) -> dict:
+    """One size's run_tokenize in this (fresh) process: tokens, seconds, peak RSS."""
     from pipelines.tokenize import run_tokenize
     from preinfer.config import load_config
 
     cfg = load_config("configs/demo.yaml", [
-        f"run.dir={run_dir}", f"data.source={corpus}", f"data.tokenizer={tokenizer}",
-        "data.max_documents=null", f"data.seq_len={seq_len}", f"data.shard_rows={shard_rows}",
+        f"run.dir={spec['run_dir']}", f"data.source={spec['corpus']}",
+        f"data.tokenizer={spec['tokenizer']}", "data.max_documents=null",
+        f"data.seq_len={spec['seq_len']}", f"data.shard_rows={spec['shard_rows']}",
         "model.vocab_size=4096",
     ])  # fmt: skip
-    base = _rss_mb("VmRSS")
+    mem = PeakMemory()
     t0 = time.perf_counter()
-    store = run_tokenize(cfg, log=lambda *a: None)
-    dt = time.perf_counter() - t0
-    print(json.dumps({
-        "tokens": store.manifest["tokens_in_documents"], "seconds": dt,
-        "peak_rss_mb": _rss_mb("VmHWM"), "base_rss_mb": base,
-        "samples": sum(store.manifest["counts"].values()),
-    }))  # fmt: skip
+    store = run_tokenize(cfg, log=quiet)
+    return {"tokens": store.manifest["tokens_in_documents"], "seconds": time.perf_counter() - t0,
+            "peak_rss_mb": mem.stop(), "base_rss_mb": mem.baseline,
+            "samples": sum(store.manifest["counts"].values())}  # fmt: skip
 
 
 def long_doc_pack(n: int, seq_len: int) -> float:
@@ -118,7 +110,7 @@ def long_doc_pack(n: int, seq_len: int) -> float:
     return dt
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="1M,50M", help="corpus sizes in tokens, comma separated")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -127,11 +119,10 @@ def main() -> None:
     ap.add_argument("--file-tokens", default="1M", help="tokens per jsonl file")
     ap.add_argument("--long-doc", default="0", help="also time pack() on one document this long")
     ap.add_argument("--work", default=None, help="work directory (default: a temp dir)")
-    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        corpus, tok, run_dir, s, rows = args.child
-        return child(corpus, tok, run_dir, int(s), int(rows))
+    ap.add_argument("--tiny", action="store_true", help="20k and 40k tokens (tests)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.sizes, args.file_tokens, args.doc_tokens = "20k,40k", "20k", 500
 
     work = Path(args.work or tempfile.mkdtemp(prefix="tokenize_scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -142,10 +133,9 @@ def main() -> None:
         corpus = work / f"corpus-{size}"
         info = write_corpus(corpus, _count(size), doc_tokens=args.doc_tokens,
                             file_tokens=_count(args.file_tokens), tok_per_word=per_word)  # fmt: skip
-        cmd = [sys.executable, "-m", "bench.tokenize_scale", "--child", str(corpus), str(tok),
-               str(work / f"run-{size}"), str(args.seq_len), str(args.shard_rows)]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = in_child("bench.tokenize_scale:child", {
+            "corpus": str(corpus), "tokenizer": str(tok), "run_dir": str(work / f"run-{size}"),
+            "seq_len": args.seq_len, "shard_rows": args.shard_rows})  # fmt: skip
         results.append({"size": size, **info, **r, "tok_s": r["tokens"] / r["seconds"]})
 
     print(f"tokenize scale (S={args.seq_len}, shard_rows={args.shard_rows}, "
@@ -163,6 +153,7 @@ def main() -> None:
     if _count(args.long_doc):
         n = _count(args.long_doc)
         print(f"\npack() of one {n:,}-token document: {long_doc_pack(n, args.seq_len):.2f} s")
+    return {"sizes": results}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ For the last block and a middle block of the config's model, in one run on one m
   interleaved repeats;
 - the ideal cached/recompute ratio = time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd),
   from bare forward/backward timings in the same run;
-- peak memory of each arm, each in fresh subprocesses (median of --mem-repeats): peak RSS growth
+- peak memory of each arm, each in fresh processes (bench/arms.py's in_child and PeakMemory;
+  median of --mem-repeats): peak RSS growth
   over the process's baseline once the libraries every arm uses are loaded (`warm_up_runtime`;
   the headline), and "cold": over the baseline before the arm's own libraries load (model
   classes, the cache reader's pyarrow/pandas), or torch.cuda.max_memory_allocated on a GPU.
@@ -20,14 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.arms import PeakMemory, in_child
+from bench.harness import headline_table
 from preinfer.adapters import forward_blocks
 from preinfer.batches import CacheBatches
 from preinfer.checkpoint import Checkpoint
@@ -36,13 +37,7 @@ from preinfer.config import load_config
 from preinfer.device import resolve_device
 from preinfer.loss import blocks_loss, mode_loss
 from preinfer.partition import trainable_parameters
-from preinfer.trainer import (
-    build_optimizer,
-    current_memory_mb,
-    peak_memory_mb,
-    reset_peak_memory,
-    train_step,
-)
+from preinfer.trainer import build_optimizer, train_step
 
 
 def setup(cfg, work: Path):
@@ -65,19 +60,10 @@ def make_cache(cfg, ckpt, block: int, work: Path, n: int):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (n, S + 1), generator=g)
     model, adapter = ckpt.load(range(block))
-    w = CacheWriter.create(
-        root,
-        fp,
-        samples={
-            "sample_id": torch.arange(n).numpy(),
-            "input_ids": ids[:, :-1].numpy(),
-            "labels": ids[:, 1:].numpy(),
-        },
-        seq_len=S,
-        hidden_size=ckpt.hidden_size,
-        cache_cfg=cfg.cache,
-        meta={"bench": True},
-    )
+    samples = {"sample_id": torch.arange(n).numpy(), "input_ids": ids[:, :-1].numpy(),
+               "labels": ids[:, 1:].numpy()}  # fmt: skip
+    w = CacheWriter.create(root, fp, samples=samples, seq_len=S, hidden_size=ckpt.hidden_size,
+                           cache_cfg=cfg.cache, meta={"bench": True})  # fmt: skip
     with torch.inference_mode():
         for i in w.missing_shards():
             a, b = w.shard_range(i)
@@ -98,28 +84,21 @@ class Arm:
         for p in self.model.parameters():
             p.requires_grad_(False)
         blocks = range(M) if name == "full" else [block]
-        self.params = list(
-            {
-                id(p): p
-                for b in blocks
-                for p in trainable_parameters(self.model, self.adapter, self.part, b)
-            }.values()
-        )
+        self.params = list({id(p): p for b in blocks for p in
+                            trainable_parameters(self.model, self.adapter, self.part, b)}.values())  # fmt: skip
         for p in self.params:
             p.requires_grad_(True)
         self.opt = build_optimizer(self.params, cfg.train)
         B = cfg.train.batch_size
         self.cache_batches = CacheBatches(cache, batch_size=B, seed=0) if name == "bcd" else None
-        self.ids = torch.randint(
-            0,
-            ckpt.vocab_size,
-            (B, cfg.data.seq_len + 1),
-            generator=torch.Generator().manual_seed(1),
-        )
-        self.it = None
-        self.step_i = 0
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, ckpt.vocab_size, (B, cfg.data.seq_len + 1), generator=g)
+        self.it, self.step_i = None, 0
 
     def loss(self, x, labels):  # the trainer's own (preinfer.visit.Visit.loss)
+        if self.name == "bcd-recompute" and self.block > 0:  # the frozen prefix, without grad
+            with torch.no_grad():
+                x = forward_blocks(self.adapter, self.part, x, 0, self.block)
         return mode_loss(self.adapter, self.part, x, labels, mode=self.name, block=self.block,
                          chunk=self.cfg.train.loss_chunk)  # fmt: skip
 
@@ -136,15 +115,8 @@ class Arm:
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        train_step(
-            self.loss,
-            self.params,
-            self.opt,
-            self.batch(),
-            self.cfg.train,
-            self.step_i,
-            device=self.device,
-        )
+        train_step(self.loss, self.params, self.opt, self.batch(), self.cfg.train, self.step_i,
+                   device=self.device)  # fmt: skip
         self.step_i += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -189,52 +161,31 @@ def warm_up_runtime(cfg, ckpt, work: Path) -> None:
     next(iter(CacheBatches(tiny, batch_size=1, seed=0).epoch(0)))
 
 
-def memory_child(args) -> None:
+def memory_child(spec: dict, _ask=None) -> dict:
     """In a fresh process: peak memory growth from before loading anything, over a few steps."""
-    cfg = load_config(args.config, args.set)
-    work = Path(args.work)
+    cfg = load_config(spec["config"], spec["set"])
+    work = Path(spec["work"])
     device = resolve_device(cfg.run.device)
     ckpt = Checkpoint.open(work / "checkpoint")
-    if not args.cold:
+    if not spec["cold"]:
         warm_up_runtime(cfg, ckpt, work)
-    cache = make_cache(cfg, ckpt, args.block, work, args.samples) if args.arm == "bcd" else None
-    if args.cold:  # the arm's own libraries count: what a fresh process's RSS shows
+    bcd = spec["arm"] == "bcd"
+    cache = make_cache(cfg, ckpt, spec["block"], work, spec["samples"]) if bcd else None
+    if spec["cold"]:  # the arm's own libraries count: what a fresh process's RSS shows
         torch.nn.Linear(8, 8)(torch.randn(2, 8)).sum().backward()
-    reset_peak_memory(device)
-    base = current_memory_mb(device)
-    arm = Arm(args.arm, cfg, ckpt, args.block, cache, device)
+    mem = PeakMemory(device.type)
+    arm = Arm(spec["arm"], cfg, ckpt, spec["block"], cache, device)
     for _ in range(3):
         arm.step()
-    print(json.dumps({"peak_growth_mb": peak_memory_mb(device) - base}))
+    return {"peak_growth_mb": mem.stop() - mem.baseline}
 
 
 def measure_memory(args, arm: str, block: int, *, cold: bool = False) -> float:
     """Median over args.mem_repeats fresh processes (RSS high-water marks vary run to run)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.trainer_step",
-        "--child",
-        "--arm",
-        arm,
-        "--block",
-        str(block),
-        "--work",
-        args.work,
-        "--config",
-        args.config,
-        "--samples",
-        str(args.samples),
-    ]
-    for s in args.set:
-        cmd += ["--set", s]
-    if cold:
-        cmd.append("--cold")
-    got = []
-    for _ in range(args.mem_repeats):
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        got.append(json.loads(out.strip().splitlines()[-1])["peak_growth_mb"])
-    return statistics.median(got)
+    spec = {"arm": arm, "block": block, "work": args.work, "config": args.config,
+            "samples": args.samples, "set": args.set, "cold": cold}  # fmt: skip
+    return statistics.median(in_child("bench.trainer_step:memory_child", spec)["peak_growth_mb"]
+                             for _ in range(args.mem_repeats))  # fmt: skip
 
 
 def run(args) -> dict:
@@ -247,9 +198,8 @@ def run(args) -> dict:
     for block in sorted({M - 1, max(1, M // 2)}):
         cache = make_cache(cfg, ckpt, block, work, args.samples)
         make_cache(cfg, ckpt, 1, work / "warm-up", 2)  # for the memory children's warm-up
-        arms = {
-            n: Arm(n, cfg, ckpt, block, cache, device) for n in ("bcd", "bcd-recompute", "full")
-        }
+        names = ("bcd", "bcd-recompute", "full")
+        arms = {n: Arm(n, cfg, ckpt, block, cache, device) for n in names}
         for a in arms.values():
             a.step()  # warm-up
         times = {n: [] for n in arms}
@@ -259,24 +209,14 @@ def run(args) -> dict:
         med = {n: statistics.median(t) for n, t in times.items()}
         ideal = bare_ratio(arms["bcd-recompute"], args.repeats)
         del arms
-        names = ("bcd", "bcd-recompute", "full")
         mem = {n: measure_memory(args, n, block) for n in names}
         cold = {n: measure_memory(args, n, block, cold=True) for n in names}
         speedup = med["bcd-recompute"] / med["bcd"]
-        rows.append(
-            {
-                "block": block,
-                "of_blocks": M,
-                "step_ms": {n: 1000 * v for n, v in med.items()},
-                "speedup_cached_vs_recompute": speedup,
-                "ideal_ratio": ideal,
-                "speedup_over_ideal": speedup / ideal,
-                "peak_mem_growth_mb": mem,
-                "mem_bcd_over_full": mem["bcd"] / mem["full"],
-                "peak_mem_growth_cold_mb": cold,
-                "mem_bcd_over_full_cold": cold["bcd"] / cold["full"],
-            }
-        )
+        rows.append({"block": block, "of_blocks": M, "step_ms": {n: 1000 * v for n, v in med.items()},
+                     "speedup_cached_vs_recompute": speedup, "ideal_ratio": ideal,
+                     "speedup_over_ideal": speedup / ideal, "peak_mem_growth_mb": mem,
+                     "mem_bcd_over_full": mem["bcd"] / mem["full"], "peak_mem_growth_cold_mb": cold,
+                     "mem_bcd_over_full_cold": cold["bcd"] / cold["full"]})  # fmt: skip
     last = rows[-1]
     headline = {
         "last block: cached vs recompute speed-up": last["speedup_cached_vs_recompute"],
@@ -284,40 +224,27 @@ def run(args) -> dict:
         "last block: of ideal (target >= 0.9)": last["speedup_over_ideal"],
         "last block: bcd / full memory (target <= 0.5)": last["mem_bcd_over_full"],
     }
-    return {
-        "bench": "trainer_step",
-        "headline": headline,
-        "config": args.config,
-        "device": str(device),
-        "memory": "peak RSS growth (VmHWM, reset) over the RSS with every arm's libraries "
-        "loaded, before the arm loads anything (CPU); cold: before the arm's own libraries load"
-        if device.type == "cpu"
-        else "torch.cuda.max_memory_allocated",
-        "repeats": args.repeats,
-        "mem_repeats": args.mem_repeats,
-        "loss_chunk": cfg.train.loss_chunk,
-        "rows": rows,
-    }
+    memory = ("peak RSS growth (VmHWM, reset) over the RSS with every arm's libraries loaded, "
+              "before the arm loads anything (CPU); cold: before the arm's own libraries load"
+              if device.type == "cpu" else "torch.cuda.max_memory_allocated")  # fmt: skip
+    return {"bench": "trainer_step", "headline": headline, "config": args.config,
+            "device": str(device), "memory": memory, "repeats": args.repeats,
+            "mem_repeats": args.mem_repeats, "loss_chunk": cfg.train.loss_chunk, "rows": rows}  # fmt: skip
 
 
 def table(res: dict) -> str:
-    lines = [
-        "| block | bcd ms | recompute ms | full ms | cached/recompute | ideal | of ideal | "
-        "mem bcd MB | mem recompute MB | mem full MB | bcd/full mem | bcd/full mem cold |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = [("block", "bcd ms", "recompute ms", "full ms", "cached/recompute", "ideal",
+             "of ideal", "mem bcd MB", "mem recompute MB", "mem full MB", "bcd/full mem",
+             "bcd/full mem cold")]  # fmt: skip
     for r in res["rows"]:
         s, m = r["step_ms"], r["peak_mem_growth_mb"]
-        lines.append(
-            f"| {r['block']} of {r['of_blocks']} | {s['bcd']:.1f} | {s['bcd-recompute']:.1f} | "
-            f"{s['full']:.1f} | {r['speedup_cached_vs_recompute']:.2f}x | {r['ideal_ratio']:.2f}x | "
-            f"{r['speedup_over_ideal']:.2f} | {m['bcd']:.0f} | {m['bcd-recompute']:.0f} | "
-            f"{m['full']:.0f} | {r['mem_bcd_over_full']:.2f} | {r['mem_bcd_over_full_cold']:.2f} |"
-        )
-    return "\n".join(lines) + (
-        f"\n\nmemory: {res['memory']}; medians of {res['mem_repeats']} processes; "
-        f"times: medians of {res['repeats']} repeats; loss_chunk {res['loss_chunk']}"
-    )
+        rows.append((f"{r['block']} of {r['of_blocks']}", *(f"{s[k]:.1f}" for k in s),
+                     f"{r['speedup_cached_vs_recompute']:.2f}x", f"{r['ideal_ratio']:.2f}x",
+                     f"{r['speedup_over_ideal']:.2f}", *(f"{m[k]:.0f}" for k in m),
+                     f"{r['mem_bcd_over_full']:.2f}", f"{r['mem_bcd_over_full_cold']:.2f}"))  # fmt: skip
+    return headline_table(rows) + (f"\n\nmemory: {res['memory']}; medians of {res['mem_repeats']} "
+                                   f"processes; times: medians of {res['repeats']} repeats; "
+                                   f"loss_chunk {res['loss_chunk']}")  # fmt: skip
 
 
 def main(argv=None) -> dict | None:
@@ -329,14 +256,11 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per memory figure")
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None, help="write the JSON result here")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--block", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help="a 2-block demo model, 1 repeat (tests)")
     args = ap.parse_args(argv)
-    if args.child:
-        memory_child(args)
-        return None
+    if args.tiny:
+        args.set += ["partition.num_blocks=2", "model.num_layers=2", "data.seq_len=32"]
+        args.repeats, args.samples, args.mem_repeats = 1, 16, 1
     with tempfile.TemporaryDirectory() as tmp:
         args.work = args.work or tmp
         res = run(args)

@@ -27,9 +27,16 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import load_average, results_path, spread, write_results
-from bench.peers_arms import ADAMW, GRAD_CLIP, layer_prefixes, response_loss
-from bench.peers_data import INSTALL, ROOT
+from bench.harness import (
+    ROOT,
+    headline_table,
+    load_average,
+    results_path,
+    show,
+    spread,
+    write_results,
+)
+from bench.peers_arms import GRAD_CLIP, INSTALL, badam, layer_prefixes, response_loss
 from preinfer.adapters import forward_blocks
 from preinfer.checkpoint_init import init_checkpoint
 from preinfer.config import load_config
@@ -58,16 +65,21 @@ class PreinferArm:
                          block=self.block, chunk=self.chunk)  # fmt: skip
 
     def step(self, x, labels) -> tuple[float, list[float]]:
-        t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.loss(x, labels)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(self.params, GRAD_CLIP)
-        self.opt.step()
-        t3 = time.perf_counter()
-        return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
+        return timed_step(self.opt, lambda: self.loss(x, labels), lambda: self.params)
+
+
+def timed_step(opt, loss_fn, params_fn) -> tuple[float, list[float]]:
+    """One optimizer step: its loss, and the seconds of forward + loss, backward, clip + step."""
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(params_fn(), GRAD_CLIP)
+    opt.step()
+    t3 = time.perf_counter()
+    return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
 
 
 class BadamArm:
@@ -76,37 +88,17 @@ class BadamArm:
     def __init__(self, model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: float):
         import transformers as tf
 
-        try:
-            from badam import BlockOptimizer
-        except ImportError as e:
-            raise SystemExit(
-                f"the badam arm needs the PyPI package badam ({e}); {INSTALL}"
-            ) from None
         self.model = tf.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
         )
-        named = list(self.model.named_parameters())
-        base = torch.optim.AdamW(self.model.parameters(), lr=lr, **ADAMW)
-        self.opt = BlockOptimizer(base_optimizer=base, named_parameters_list=named,
-                                  block_prefix_list=layer_prefixes(blocks),
-                                  switch_block_every=10**9, switch_mode="ascending",
-                                  verbose=0)  # fmt: skip
+        self.opt = badam(self.model, lr, layer_prefixes(blocks))
         for _ in range(block):
             self.opt.switch_trainable_params(verbose=0)
         self.model.train()
 
     def step(self, x, labels) -> tuple[float, list[float]]:
-        t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        loss = response_loss(self.model, x, labels)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        active = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(active, GRAD_CLIP)
-        self.opt.step()
-        t3 = time.perf_counter()
-        return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
+        return timed_step(self.opt, lambda: response_loss(self.model, x, labels), lambda: [
+            p for p in self.model.parameters() if p.requires_grad and p.grad is not None])  # fmt: skip
 
 
 def run(args) -> dict:
@@ -152,23 +144,14 @@ def run(args) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = [
-        f"block {res['block']} of {res['blocks']} from tokens, batch {res['batch']} x "
-        f"{res['seq']}, fp32, {res['threads']} threads, {res['repeats']} interleaved repeats; "
-        f"load {res['load_before']} -> {res['load_after']}",
-        "",
-        "| arm | first-step loss | step s, median (min..max) | BAdam / arm (speed) | "
-        "forward+loss s | backward s | clip+step s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for k, s in res["seconds"].items():
-        r, p = res["badam_over_arm"][k], res["parts"][k]
-        lines.append(
-            f"| {k} | {res['first_step_loss'][k]:.4f} | {s['median']:.3f} ({s['min']:.3f}.."
-            f"{s['max']:.3f}) | {r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f}) | "
-            f"{p[0]:.3f} | {p[1]:.3f} | {p[2]:.3f} |"
-        )
-    return "\n".join(lines)
+    rows = [("arm", "first-step loss", "step s, median [min, max]", "BAdam / arm (speed)",
+             "forward+loss s", "backward s", "clip+step s")]  # fmt: skip
+    rows += [(k, f"{res['first_step_loss'][k]:.4f}", show(s, "{:.3f}"),
+              show(res["badam_over_arm"][k], "{:.3f}"), *(f"{p:.3f}" for p in res["parts"][k]))
+             for k, s in res["seconds"].items()]  # fmt: skip
+    return (f"block {res['block']} of {res['blocks']} from tokens, batch {res['batch']} x "
+            f"{res['seq']}, fp32, {res['threads']} threads, {res['repeats']} interleaved repeats; "
+            f"load {res['load_before']} -> {res['load_after']}\n\n" + headline_table(rows))  # fmt: skip
 
 
 def main(argv=None) -> dict:

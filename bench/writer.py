@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import load_average, results_path, write_results
+from bench.harness import headline_table, load_average, results_path, show, spread, write_results
 from preinfer.costmodel import writer_key
 from storage import fs
 from storage.cache import CacheWriter
@@ -152,8 +152,7 @@ def run(args) -> dict:
         per_core = statistics.median(core)
         res["arms"][f"{t} | {c} | {n}"] = {
             "target": t, "codec": c, "threads": n,
-            "mb_s": {"median": statistics.median(wall), "min": min(wall), "max": max(wall)},
-            "mb_per_core_s": {"median": per_core, "min": min(core), "max": max(core)},
+            "mb_s": spread(wall), "mb_per_core_s": spread(core),
             "cpu_per_wall": statistics.median(o["cpu_s"] / o["wall_s"] for o in outs),
             "ratio": outs[0]["ratio"],
             "cores_per_gpu": [GPU_BYTES_PER_TOKEN * k / 1e6 / per_core for k in GPU_TOKENS_PER_S],
@@ -164,25 +163,16 @@ def run(args) -> dict:
 
 def table(res: dict) -> str:
     lo, hi = (GPU_BYTES_PER_TOKEN * k / 1e6 for k in GPU_TOKENS_PER_S)
-    lines = [
-        f"{res['bytes'] / 1e6:.0f} MB of bf16 hidden (N={res['rows']}, S={res['seq']}, "
-        f"H={res['hidden']}), shards of {res['shard_mb']} MiB, medians of {res['repeats']} "
-        f"(min..max); {res['cpus']} CPUs; load average before {res['load_before']}, after "
-        f"{res['load_after']}",
-        "",
-        f"| target | codec | encoder threads | MB/s (wall) | MB per core-second | CPU/wall "
-        f"| ratio | cores per GPU at {lo:.0f} MB/s | at {hi:.0f} MB/s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for a in res["arms"].values():
-        w, c = a["mb_s"], a["mb_per_core_s"]
-        lines.append(
-            f"| {a['target']} | {a['codec']} | {a['threads']} | {w['median']:.0f} "
-            f"({w['min']:.0f}..{w['max']:.0f}) | {c['median']:.0f} ({c['min']:.0f}..{c['max']:.0f})"
-            f" | {a['cpu_per_wall']:.2f} | {a['ratio']:.2f} | {a['cores_per_gpu'][0]:.1f} "
-            f"| {a['cores_per_gpu'][1]:.1f} |"
-        )
-    return "\n".join(lines)
+    rows = [("target", "codec", "encoder threads", "MB/s (wall)", "MB per core-second", "CPU/wall",
+             "ratio", f"cores per GPU at {lo:.0f} MB/s", f"at {hi:.0f} MB/s")]  # fmt: skip
+    rows += [(a["target"], a["codec"], a["threads"], show(a["mb_s"], "{:.0f}"),
+              show(a["mb_per_core_s"], "{:.0f}"), f"{a['cpu_per_wall']:.2f}", f"{a['ratio']:.2f}",
+              f"{a['cores_per_gpu'][0]:.1f}", f"{a['cores_per_gpu'][1]:.1f}")
+             for a in res["arms"].values()]  # fmt: skip
+    return (f"{res['bytes'] / 1e6:.0f} MB of bf16 hidden (N={res['rows']}, S={res['seq']}, "
+            f"H={res['hidden']}), shards of {res['shard_mb']} MiB, medians of {res['repeats']} "
+            f"[min, max]; {res['cpus']} CPUs; load average before {res['load_before']}, after "
+            f"{res['load_after']}\n\n" + headline_table(rows))  # fmt: skip
 
 
 def main(argv=None) -> dict:

@@ -33,21 +33,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.config import ConfigError
-from pipelines.cache_build import build_cache, refresh_allowed, refresh_cache
-from pipelines.train import precision_line, run_train
-from preinfer.cache_identity import Sources, plan_caches, store_budget
+from pipelines.cache_build import (
+    build_boundary,
+    damaged_shards,
+    open_sources,
+    refresh_allowed,
+    refresh_boundary,
+)
+from pipelines.train import check_memory, run_train
+from preinfer.cache_identity import BoundaryPlan, Sources
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_format import CheckpointError
 from preinfer.config import Config
 from preinfer.guards import (
-    check_disk_for_cache,
+    check_disk_for_rotation,
     check_same_tokens,
     check_vocab,
     token_record,
-    warn_trainer_memory,
 )
 from preinfer.metrics import append_metrics, last_visit_summary
 from preinfer.provenance import check_settings
+from preinfer.rotation import round_blocks, store_budget
 from preinfer.run_lock import run_lock
 from preinfer.run_state import (
     check_run,
@@ -56,17 +62,14 @@ from preinfer.run_state import (
     save_run_state,
     state_path,
 )
-from preinfer.trainer import round_blocks, visit_position
+from preinfer.trainer import TrainConfig
 from preinfer.visit import TrainingDiverged, VisitHooks, finish_committed
+from preinfer.visit_plan import VisitPlan, plan_visit
 from storage import fs
 from storage.atomic import dir_bytes, write_bytes, write_json
 from storage.layout import CacheError, check_fingerprint, is_complete
 from storage.lease import describe, remove_unless_used
 from storage.tokens import TokenStore, TokenStoreError
-
-
-def _state_path(cfg: Config) -> Path:
-    return state_path(cfg.run.dir)
 
 
 def load_state(cfg: Config) -> dict:
@@ -84,46 +87,33 @@ def _event(cfg: Config, state: dict, **rec) -> None:
 
 
 def ensure_cache(
-    cfg: Config,
-    state: dict,
-    block: int,
-    round_: int,
-    log=print,
-    src: Sources | None = None,
-    position: int | None = None,
+    cfg: Config, state: dict, src: Sources, plan: VisitPlan, bp: BoundaryPlan, log=print
 ) -> tuple[str, dict[str, str]]:
-    """Make the boundary-`block` caches current: ('reused' | 'repaired' | 'refreshed' | 'built',
-    their fingerprints by split). src: the checkpoint and token store as this step sees them;
-    position: the visit of the round they are made for (None: block `block`'s own; it picks
-    the rows they hold, cache_identity.boundary_visits)."""
+    """Make boundary bp.boundary's caches current, as `plan` (the visit they are made for)
+    planned them: ('reused' | 'repaired' | 'refreshed' | 'built', their fingerprints by split).
+    Refreshed from the boundary below (bp.source) when that one is current, else built from
+    tokens. src: the checkpoint and token store the plan was made against."""
     t0 = time.perf_counter()
-    src = src or Sources.open(cfg)
-    at = {"position": position, "log": log, "src": src}
     # a reused cache is re-checksummed (xxh3: cheap next to training on it): a shard damaged
     # on disk since it was written is rewritten here instead of failing the trainer
-    plans = plan_caches(cfg, block, round_, position=position, create=False, verify=True, src=src)
+    bad = damaged_shards(cfg, bp)
     res: dict = {}
-    if all(p.complete for p in plans):
-        action, fps = "reused", {p.split: p.fingerprint for p in plans}
-    elif any(is_complete(cfg.cache.root, p.fingerprint) for p in plans if not p.complete):
-        log(f"  boundary {block}: cache shards failed their checksum; rewriting them")
-        res = build_cache(cfg, block, round_, verify=True, **at)
-        action, fps = "repaired", res["fingerprints"]
+    if bp.complete and not bad:
+        action = "reused"
+    elif bad:
+        log(f"  boundary {bp.boundary}: cache shards failed their checksum; rewriting them")
+        res = build_boundary(cfg, src, plan, bp, bad=bad, log=log)
+        action = "repaired"
     else:
-        below = position
-        if below is None:
-            below = visit_position(cfg.train, src.ckpt.num_blocks, round_, block)
+        below = bp.source
         prev_ok = (
-            block >= 2
+            below is not None
             and refresh_allowed(cfg)
-            and all(
-                is_complete(cfg.cache.root, p.fingerprint)
-                for p in plan_caches(cfg, block - 1, round_, position=below, create=False, src=src)
-            )
+            and all(is_complete(cfg.cache.root, p.fingerprint) for p in below.caches)
         )
-        res = (refresh_cache if prev_ok else build_cache)(cfg, block, round_, **at)
-        action, fps = res["action"], res["fingerprints"]
-    state["caches_in_use"] = sorted(set(fps.values()))
+        res = (refresh_boundary if prev_ok else build_boundary)(cfg, src, plan, bp, log=log)
+        action = res["action"]
+    fps = bp.fingerprints
     sizes = {s: dir_bytes(fs.path(cfg.cache.root) / fp) for s, fp in fps.items()}
     seconds = time.perf_counter() - t0
     timing = {}
@@ -136,8 +126,8 @@ def ensure_cache(
         cfg,
         state,
         action=action,
-        boundary=block,
-        round=round_,
+        boundary=bp.boundary,
+        round=bp.round,
         fingerprints=fps,
         bytes=sizes,
         seconds=seconds,
@@ -160,8 +150,8 @@ def drop_stale_caches(cfg: Config, state: dict, keep: set[str], log=print) -> No
                 fps.append(check_fingerprint(fp))
             except ConfigError as e:
                 raise ConfigError(
-                    f"{_state_path(cfg)} names a cache that is not a fingerprint ({e}); it was "
-                    "edited or damaged: nothing was deleted. Fix or remove that entry (or use "
+                    f"{state_path(cfg.run.dir)} names a cache that is not a fingerprint ({e}); it "
+                    "was edited or damaged: nothing was deleted. Fix or remove that entry (or use "
                     "a fresh run.dir) and rerun"
                 ) from None
     for fp in dict.fromkeys(fps):
@@ -240,28 +230,30 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     # refused here, in the driver, before anything is written or a worker starts
     store, ckpt = TokenStore(cfg.data.out_dir), Checkpoint.open(cfg.run.checkpoint)
     state = check_run(cfg.run.dir, ckpt, "bcd")
+    where = state_path(cfg.run.dir)
     if state.get("mode", mode) != mode:
         raise ConfigError(
-            f"{_state_path(cfg)} belongs to a --mode {state['mode']} run; use another run.dir "
-            f"for --mode {mode}"
+            f"{where} belongs to a --mode {state['mode']} run; use another run.dir for --mode "
+            f"{mode}"
         )
     check_vocab(ckpt, store)
     check_settings(cfg, "bcd", tokens=store.manifest, checkpoint=ckpt.index)
     if state.get("tokens"):
-        check_same_tokens(state["tokens"], store, str(_state_path(cfg)))
+        check_same_tokens(state["tokens"], store, str(where))
     else:  # the rotation starts (or a state.json from before the record): tokens from now on
         state["tokens"] = token_record(store)
-    _check_same_rotation(cfg, state, mode)
     M = ckpt.num_blocks
-    budget = store_budget(cfg, store)
+    orders = _round_orders(cfg.train, state, mode, M, where)
+    budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
     if cfg.train.batch_size > budget.n_train:
         raise ConfigError(
             f"train.batch_size ({cfg.train.batch_size}) is larger than the train split "
             f"({budget.n_train} rows of {store.path}); lower train.batch_size, or tokenize more "
             "data"
         )
-    orders = [] if mode == "full" else _round_orders(cfg, state, M)
-    check_disk_for_cache(cfg, mode=mode)  # refuses before the first cache is written
+    if mode == "bcd":  # refuses before the first cache is written
+        check_disk_for_rotation(cfg.cache, cfg.train, budget, hidden=ckpt.hidden_size,
+                                seq=store.seq_len, M=M)  # fmt: skip
     # every check passed: from here on the run.dir records this run
     state["mode"] = mode
     if mode != "full":
@@ -271,25 +263,20 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     save_state(cfg, state)
     # the resolved config of this run (storage credentials masked)
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
-    log(f"  training precision: {precision_line(cfg)}")
-    try:
-        warn_trainer_memory(cfg, mode=mode, log=log)
-    except Exception as e:  # an estimate must never stop a run
-        log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
+    check_memory(cfg, ckpt, budget, store.seq_len, mode=mode, log=log)
     if mode == "full":
-        plan = [(0, 0)]
+        visits = [(0, 0)]
         log(f"  full: {budget.steps * cfg.train.rounds * M} steps over all train rows")
     else:
-        plan = [(r, k) for r in range(cfg.train.rounds) for k in orders[r]]
+        visits = [(r, k) for r in range(cfg.train.rounds) for k in orders[r]]
         log(f"  each visit: {budget.why} ({budget.passes:.2f} passes)")
         if cfg.train.order == "random":
             log(f"  block order (train.order=random, seed {cfg.train.seed}): {orders}")
-    descending = mode == "bcd" and cfg.train.order == "descending"
-    rand = mode == "bcd" and cfg.train.order == "random"
     # descending, random: round -> the boundary caches kept for the round's later visits
     ready: dict[int, dict[int, tuple[str, dict[str, str]]]] = {}
+    keeping = mode == "bcd" and cfg.train.order in ("descending", "random")
     results = []
-    for r, k in plan:
+    for r, k in visits:
         key = f"r{r}-b{k}"
         if key in state["visits"]:
             results.append(state["visits"][key])
@@ -303,45 +290,32 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
             save_state(cfg, state)
             results.append(state["visits"][key])
-            if descending:
-                _release(cfg, state, ready, r, k, log)
-            if rand:
-                _release_random(cfg, state, ready, orders[r], r, k, log)
+            if keeping:
+                _release(cfg, state, ready, plan_visit(cfg.train, budget, M, r, k), log)
             continue
-        action, fps = "tokens", None
-        if descending and k > 0:
-            if r not in ready:  # the round's start, or its first visit left after a kill
-                ready[r] = _ensure_boundaries(cfg, state, orders[r], r, k, log)
-            action, fps = ready[r][k]
-        elif rand and k > 0:
-            ready[r] = _random_boundaries(cfg, state, orders[r], k, r, log)
-            action, fps = ready[r][k]
-        elif mode == "bcd" and k > 0:
-            action, fps = ensure_cache(cfg, state, k, r, log=log)
-            drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
-            save_state(cfg, state)
-        state["pending"] = {"key": key, "start_hash": ckpt_hash(cfg), "cache": action}
-        save_state(cfg, state)
-        if mode == "full":
-            # as many optimizer steps as the whole rotation, over every train row
+        if mode == "full":  # as many optimizer steps as the whole rotation, over every train row
             cfg_full = _with_steps(cfg, budget.steps * cfg.train.rounds * M)
-            summary = run_train(
-                cfg_full, 0, r, mode="full", log=log, memory_check=False, hooks=hooks
-            )
-        else:
-            summary = run_train(
-                cfg, k, r, mode=mode, log=log, memory_check=False, caches=fps, hooks=hooks
-            )
+            state["pending"] = {"key": key, "start_hash": ckpt_hash(cfg), "cache": "tokens"}
+            save_state(cfg, state)
+            summary = run_train(cfg_full, 0, r, mode="full", log=log, memory_check=False,
+                                hooks=hooks)  # fmt: skip
+            action = "tokens"
+        else:  # the visit's plan, made once: its rows, and the caches it reads and makes
+            src = open_sources(cfg) if mode == "bcd" and k > 0 else None
+            plan = plan_visit(cfg.train, budget, M, r, k, mode=mode, sources=src)
+            action = _make_current(cfg, state, src, plan, ready, log)
+            state["pending"] = {"key": key, "start_hash": ckpt_hash(cfg), "cache": action}
+            save_state(cfg, state)
+            summary = run_train(cfg, k, r, mode=mode, log=log, memory_check=False, plan=plan,
+                                hooks=hooks)  # fmt: skip
         summary = {**summary, "cache": action}
         state["visits"][key] = summary
         state["pending"] = None
         state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
         save_state(cfg, state)
         results.append(summary)
-        if descending:
-            _release(cfg, state, ready, r, k, log)
-        if rand:
-            _release_random(cfg, state, ready, orders[r], r, k, log)
+        if keeping:
+            _release(cfg, state, ready, plan, log)
         if on_visit is not None:
             on_visit(r, k, summary)
         log(
@@ -354,99 +328,77 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     return {"mode": mode, "visits": results}
 
 
-def _round_orders(cfg: Config, state: dict, M: int) -> list[list[int]]:
-    """Every round's block order (train.order), recorded in state.json: a resumed rotation
-    replays the recorded one and refuses a config that would draw another (train.seed changed
-    under train.order=random)."""
+def _make_current(
+    cfg: Config, state: dict, src: Sources | None, plan: VisitPlan, ready: dict, log
+) -> str:
+    """Make the boundaries `plan` reads and makes current (plan.makes, lowest first: each
+    refreshes from the one before), record each in state.json as soon as it is made, then keep
+    those a later visit of the round reads (plan.keeps, in `ready`) and drop the rest. Returns
+    how its own boundary was made ('tokens' where it reads none). train.order=descending makes
+    the round's boundaries at its start (or at its first visit left after a kill): they stay
+    current until their block trains."""
+    if plan.boundary is None:
+        return "tokens"
+    r, k = plan.round, plan.block
+    if cfg.train.order == "descending" and r in ready:
+        return ready[r][k][0]
+    made: dict[int, tuple[str, dict[str, str]]] = {}
+    for bp in plan.makes:
+        made[bp.boundary] = ensure_cache(cfg, state, src, plan, bp, log=log)
+        state["caches_in_use"] = _fingerprints(made)
+        save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
+    # only now: a boundary beyond one made here that a killed setup completed survives until
+    # it is reused
+    kept = {j: made[j] for j in (*plan.keeps, k)}
+    if cfg.train.order != "ascending":
+        ready[r] = kept
+    state["caches_in_use"] = _fingerprints(kept)
+    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
+    save_state(cfg, state)
+    return made[k][0]
+
+
+def _release(cfg: Config, state: dict, ready: dict, plan: VisitPlan, log) -> None:
+    """train.order=descending or random: block plan.block is trained; keep only the boundaries
+    of its round that a later visit reads while they stay current (plan.keeps; after block 0:
+    none), and drop the rest."""
+    r = plan.round
+    if cfg.train.order == "descending" and plan.block > 0 and r not in ready:
+        return  # a visit finished before a kill: the next one's setup drops what is stale
+    ready[r] = {j: v for j, v in ready.get(r, {}).items() if j in plan.keeps}
+    state["caches_in_use"] = _fingerprints(ready[r])
+    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
+    save_state(cfg, state)
+
+
+def _round_orders(train: TrainConfig, state: dict, mode: str, M: int, where: Path) -> list:
+    """Every round's block order (train.order), as state.json (`where`) records the rotation:
+    a resumed one replays its own. Refused: a rotation begun in another train.order,
+    train.schedule or train.cache_visits (its visits' rows; a state.json from before they were
+    recorded: ascending, visit, 1), or whose config draws another order (train.seed changed
+    under train.order=random). full trains all blocks at once over its own steps: none."""
+    if mode == "full":
+        return []
+    started = bool(state["visits"] or state.get("pending"))
+    for key, old in (("order", "ascending"), ("schedule", "visit"), ("cache_visits", 1.0)):
+        was, now = state.get(key, old if started else None), getattr(train, key)
+        if was is not None and was != now:
+            raise ConfigError(
+                f"{where} belongs to a rotation with train.{key}={was}; rerun with "
+                f"train.{key}={was} to go on with it, or use another run.dir for train.{key}={now}"
+            )
     recorded = state.setdefault("block_orders", {})
-    orders = [round_blocks(cfg.train, M, r) for r in range(cfg.train.rounds)]
+    orders = [round_blocks(train, M, r) for r in range(train.rounds)]
     for r, order in enumerate(orders):
         was = recorded.get(str(r))
         if was is not None and was != order:
             raise ConfigError(
-                f"{_state_path(cfg)} trained round {r} in block order {was}, but this config "
-                f"draws {order} (train.order={cfg.train.order}, train.seed={cfg.train.seed}); "
-                "rerun with the train.seed the rotation started with, or use another run.dir"
+                f"{where} trained round {r} in block order {was}, but this config draws {order} "
+                f"(train.order={train.order}, train.seed={train.seed}); rerun with the "
+                "train.seed the rotation started with, or use another run.dir"
             )
         recorded[str(r)] = order
     return orders
-
-
-def _random_boundaries(
-    cfg: Config, state: dict, order: list[int], block: int, round_: int, log
-) -> dict[int, tuple[str, dict[str, str]]]:
-    """train.order=random: make boundary `block` current for its visit, and keep the boundaries
-    j < block that a later visit of the round reads before any block below j trains (they stay
-    current). Those not yet made are made on the way, ascending from the lowest (build it, then
-    refresh up to `block`): the compute of building `block` from tokens, so they come free."""
-    later = order[order.index(block) + 1 :]
-    needed = [j for i, j in enumerate(later) if 0 < j < block and all(b >= j for b in later[:i])]
-    made = {}
-    q = order.index(block)  # every boundary made here serves this visit
-    for j in range(min([*needed, block]), block + 1):
-        made[j] = ensure_cache(cfg, state, j, round_, log=log, position=q)
-        state["caches_in_use"] = _fingerprints(made)
-        save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
-    kept = {j: made[j] for j in [*needed, block]}
-    state["caches_in_use"] = _fingerprints(kept)
-    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
-    save_state(cfg, state)
-    return kept
-
-
-def _release_random(cfg, state, ready, order: list[int], round_: int, block: int, log) -> None:
-    """train.order=random: block `block` is trained; keep only the boundaries j < block (still
-    current) that a later visit of the round reads (after block 0: none)."""
-    later = order[order.index(block) + 1 :]
-    kept = {j: v for j, v in ready.get(round_, {}).items() if j < block and j in later}
-    ready[round_] = kept
-    state["caches_in_use"] = _fingerprints(kept)
-    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
-    save_state(cfg, state)
-
-
-def _check_same_rotation(cfg: Config, state: dict, mode: str) -> None:
-    """Refuse to go on with a rotation begun in another train.order, train.schedule or
-    train.cache_visits (its visits' rows) (a state.json from before they were recorded:
-    ascending, visit, 1)."""
-    if mode == "full":
-        return  # trains all blocks at once over its own steps: neither applies
-    started = bool(state["visits"] or state.get("pending"))
-    for key, old in (("order", "ascending"), ("schedule", "visit"), ("cache_visits", 1.0)):
-        was, now = state.get(key, old if started else None), getattr(cfg.train, key)
-        if was is not None and was != now:
-            raise ConfigError(
-                f"{_state_path(cfg)} belongs to a rotation with train.{key}={was}; rerun with "
-                f"train.{key}={was} to go on with it, or use another run.dir for train.{key}={now}"
-            )
-
-
-def _ensure_boundaries(
-    cfg: Config, state: dict, order: list[int], round_: int, upto: int, log
-) -> dict[int, tuple[str, dict[str, str]]]:
-    """Descending order: make boundaries 1..upto of the round current, in ascending order (so
-    each refreshes from the one before), and keep them all: {boundary: (action, fingerprints)}."""
-    out: dict[int, tuple[str, dict[str, str]]] = {}
-    q = order.index(upto)
-    for j in range(1, upto + 1):  # made for the visit at q (they serve it and the ones before)
-        out[j] = ensure_cache(cfg, state, j, round_, log=log, position=q)
-        state["caches_in_use"] = _fingerprints(out)
-        save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
-    # only now: a boundary beyond j that a killed setup completed must survive until reused
-    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
-    save_state(cfg, state)
-    return out
-
-
-def _release(cfg: Config, state: dict, ready: dict, round_: int, block: int, log) -> None:
-    """Descending order: block `block` is trained; its boundary (and any later one) is no longer
-    needed this round, and after block 0 none is (every prefix changed)."""
-    if block > 0 and round_ not in ready:
-        return  # a visit finished before a kill: the next one's setup drops what is stale
-    left = {j: v for j, v in ready.get(round_, {}).items() if j < block}
-    state["caches_in_use"] = _fingerprints(left)
-    drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
-    save_state(cfg, state)
 
 
 def _fingerprints(caches: dict[int, tuple[str, dict[str, str]]]) -> list[str]:

@@ -3,9 +3,11 @@
 build K:   token rows --(blocks 0..K-1)--> hidden entering block K
 refresh K: boundary K-1 cache --(block K-1 alone)--> hidden entering block K
 
-The driver plans the caches (preinfer.cache_identity: fingerprints, shards still missing),
-then runs PrefixWorker (pipelines/prefix_worker.py) over them: in this process for a local build (no actor start-up), or
-over a pool of Ray actors given shard descriptors (a cluster job). Each actor is built from
+The driver takes a boundary's caches as a visit's plan has them (preinfer.visit_plan: their
+fingerprints and rows; the rotation hands its own, the stages plan block K's visit), opens
+their writers (the shards still missing), then runs PrefixWorker (pipelines/prefix_worker.py)
+over them: in this process for a local build (no actor start-up), or over a pool of Ray
+actors given shard descriptors (a cluster job). Each actor is built from
 small plain data (the config without credentials, paths: not objects; its credentials come
 in its environment), loads only the blocks it runs, computes whole shards in micro-batches
 and writes them itself; only a small record comes back. The driver finalizes (manifest last).
@@ -37,14 +39,24 @@ from pipelines.ray_env import (
     worker_payload,
 )
 from preinfer import hostmem
-from preinfer.cache_identity import CachePlan, Sources, compute_choice, plan_caches
+from preinfer.cache_identity import (
+    BoundaryPlan,
+    CachePlan,
+    Sources,
+    cache_meta,
+    compute_choice,
+)
+from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
-from preinfer.guards import check_disk_for_cache, check_vocab
+from preinfer.guards import check_disk_for_boundary, check_vocab
 from preinfer.provenance import check_settings
-from preinfer.trainer import visit_position
+from preinfer.rotation import store_budget
+from preinfer.visit_plan import VisitPlan, plan_visit
+from storage import fs
 from storage.cache import CacheWriter
 from storage.config import LOSSY_DTYPES
 from storage.layout import is_complete
+from storage.tokens import TokenStore
 
 
 def shards_per_task(cfg: Config, shards: int, actors: int) -> int:
@@ -84,20 +96,20 @@ def executor(cfg: Config) -> str:
 
 def _run_workers(
     cfg: Config,
-    plans: list[CachePlan],
+    src: Sources,
+    work: list[tuple[CachePlan, list[int]]],
     block: int,
     first: int,
     sources: dict[str, str],
-    seq_len: int,
     log,
     source_rows: dict[str, np.ndarray] | None = None,
 ) -> dict:
-    """Compute every missing shard (locally or over the actor pool); counts and timing."""
-    items = [{"fingerprint": p.fingerprint, "shard": s} for p in plans for s in p.missing]
+    """Compute every shard of `work` (locally or over the actor pool); counts and timing."""
+    items = [{"fingerprint": p.fingerprint, "shard": s} for p, shards in work for s in shards]
     if not items:
         return {"shards": 0, "rows": 0, "seconds": 0.0, "startup_s": 0.0, "executor": "none",
                 **dict.fromkeys(PHASES, 0.0)}  # fmt: skip
-    choice = compute_choice(cfg)
+    choice, seq_len = src.compute, src.store.seq_len
     where = executor(cfg)
     log(f"  compute dtype {choice.compute} ({choice.reason}); executor {where}")
     worker_kw = {"block": block, "first": first, "sources": sources,
@@ -169,60 +181,189 @@ def _ray_records(cfg: Config, items: list[dict], worker_kw: dict):
 
 
 def _finish(cfg: Config, plans: list[CachePlan]) -> float:
-    """Finalize (manifest last) every cache that was not complete; returns seconds."""
+    """Finalize (manifest last) every cache a build wrote into; returns seconds."""
     t0 = time.perf_counter()
     for p in plans:
-        if not p.complete:
-            CacheWriter.open(cfg.cache.root, p.fingerprint).finalize()
+        CacheWriter.open(cfg.cache.root, p.fingerprint).finalize()
     return time.perf_counter() - t0
 
 
-def build_cache(
-    cfg: Config,
-    block: int,
-    round_: int = 0,
-    *,
-    position: int | None = None,
-    verify: bool = False,
-    log=print,
-    src: Sources | None = None,
-) -> dict:
-    """Hidden states entering `block` for train and val, from tokens through blocks 0..block-1.
+def open_sources(
+    cfg: Config, ckpt: Checkpoint | None = None, store: TokenStore | None = None
+) -> Sources:
+    """The checkpoint and token store as they are now (ckpt, store: when the caller has them
+    open), and how this config stores and computes caches: what a plan's caches are made from."""
+    return Sources(
+        ckpt=ckpt or Checkpoint.open(cfg.run.checkpoint),
+        store=store or TokenStore(cfg.data.out_dir),
+        cache=cfg.cache,
+        compute=compute_choice(cfg.preinfer, cfg.cache, cfg.run.device),
+    )
 
-    position: the visit (its place in the round) the cache is made for (None: block `block`'s
-    own; cache_identity.boundary_visits). verify: also check a complete cache's shards and
-    rewrite any that fail (repair). src: the checkpoint and token store, when the caller has
-    them open.
-    """
+
+def plan_block(
+    cfg: Config, block: int, round_: int = 0, *, mode: str = "bcd", src: Sources | None = None
+) -> VisitPlan:
+    """Block `block`'s visit of round `round_`, planned against the checkpoint and token store as
+    they are now (src, when the caller has them open): what `cache build/refresh --block` and
+    `train --block` act on."""
+    src = src or open_sources(cfg)
+    budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, src.store)
+    M = src.ckpt.num_blocks
+    return plan_visit(cfg.train, budget, M, round_, block, mode=mode, sources=src)
+
+
+def damaged_shards(cfg: Config, bp: BoundaryPlan) -> dict[str, list[int]]:
+    """Shards of `bp`'s complete caches that fail their checksum now, by fingerprint (xxh3:
+    cheap next to training on them)."""
+    root = cfg.cache.root
+    bad = {p.fingerprint: CacheWriter.open(root, p.fingerprint).missing_shards()
+           for p in bp.caches if p.complete}  # fmt: skip
+    return {fp: shards for fp, shards in bad.items() if shards}
+
+
+def open_writers(
+    cfg: Config, src: Sources, plan: VisitPlan, bp: BoundaryPlan, bad: dict[str, list[int]]
+) -> list[tuple[CachePlan, list[int]]]:
+    """The caches of `bp` that need shards, each with the shards to compute: a damaged
+    complete cache its `bad` ones (a repair rewrites exactly those, then the manifest); an
+    incomplete one those without a valid done marker, its writer created first (its rows
+    read from the token store, in cache row order)."""
+    out, checkpoint = [], str(fs.path(cfg.run.checkpoint).resolve())  # a URL stays a URL
+    for p in bp.caches:
+        if p.complete:
+            if p.fingerprint in bad:
+                out.append((p, bad[p.fingerprint]))
+            continue
+        # (N, S+1) ids and (N, S) labels (IGNORE where masked) int32, in cache row order
+        held = np.unique(p.indices)
+        rows, labels = src.store.read_indices_with_labels(p.split, held)
+        at = np.searchsorted(held, p.indices)
+        meta = cache_meta(
+            src, plan.budget, bp, p.split, config=cfg.to_dict(), checkpoint=checkpoint
+        )
+        writer = CacheWriter.create(
+            cfg.cache.root,
+            p.fingerprint,
+            samples={
+                "sample_id": p.indices.astype(np.int64),
+                "input_ids": rows[at, :-1],
+                "labels": labels[at],
+            },
+            seq_len=src.store.seq_len,
+            hidden_size=src.ckpt.hidden_size,
+            cache_cfg=cfg.cache,
+            meta=meta,
+        )
+        out.append((p, writer.missing_shards()))
+    return out
+
+
+def create_writers(cfg: Config, block: int, round_: int = 0) -> tuple[CachePlan, ...]:
+    """Boundary `block`'s caches as block `block`'s visit of round `round_` reads them, their
+    writers created (the rows and the layout on disk, no shard computed): what a build
+    computes into. Returns both caches' plans."""
+    src = open_sources(cfg)
+    plan = _plan_boundary(cfg, src, block, round_)
+    open_writers(cfg, src, plan, plan.reads, {})
+    return plan.caches
+
+
+def build_boundary(
+    cfg: Config,
+    src: Sources,
+    plan: VisitPlan,
+    bp: BoundaryPlan,
+    *,
+    bad: dict[str, list[int]] | None = None,
+    log=print,
+) -> dict:
+    """Hidden states entering boundary bp.boundary for train and val, from tokens through the
+    blocks below it, as `plan` (the visit they are made for) planned them. bad: shards of
+    complete caches that failed their checksum (damaged_shards), rewritten (a repair)."""
     t0 = time.perf_counter()
-    src = src or Sources.open(cfg)
-    _check_inputs(cfg, src, "cache build")
-    _guard_disk(cfg, block, round_, position, src)
-    plans = plan_caches(cfg, block, round_, position=position, verify=verify, src=src)
-    todo = sum(len(p.missing) for p in plans)
-    if all(p.complete for p in plans):
-        log(f"cache build: boundary {block} is current ({_fps(plans)}); nothing to do")
-        return {"action": "reused", **_result(plans)}
-    stats = _run_workers(cfg, plans, block, 0, {}, src.store.seq_len, log)
-    stats["finalize_s"] = _finish(cfg, plans)
+    _guard_disk(cfg, src, plan, bp)
+    work = open_writers(cfg, src, plan, bp, bad or {})
+    if bp.complete and not work:
+        log(f"cache build: boundary {bp.boundary} is current ({_fps(bp)}); nothing to do")
+        return {"action": "reused", **_result(bp)}
+    todo = sum(len(s) for _, s in work)
+    stats = _run_workers(cfg, src, work, bp.boundary, 0, {}, log)
+    stats["finalize_s"] = _finish(cfg, [p for p, _ in work])
     stats["plan_s"] = time.perf_counter() - t0 - stats["seconds"] - stats["finalize_s"]
-    _log_done(log, "build", block, plans, stats, todo, src.store.seq_len)
-    return {"action": "built", **_result(plans), **stats}
+    _log_done(log, "build", bp, stats, todo, src.store.seq_len)
+    return {"action": "built", **_result(bp), **stats}
 
 
-def refresh_cache(
-    cfg: Config,
-    block: int,
-    round_: int = 0,
-    *,
-    position: int | None = None,
-    log=print,
-    src: Sources | None = None,
+def refresh_boundary(
+    cfg: Config, src: Sources, plan: VisitPlan, bp: BoundaryPlan, *, log=print
 ) -> dict:
-    """Boundary `block` from the complete boundary block-1 cache, running block-1 alone; both
-    as made for the visit at `position` (None: block `block`'s own). The source holds every
-    row the target does (a boundary serves a subset of the visits the one below it serves)."""
+    """Boundary bp.boundary from the complete boundary below it (bp.source, as made for the
+    same visit), running that one block alone. The source holds every row the target does (a
+    boundary serves a subset of the visits the one below it serves)."""
     t0 = time.perf_counter()
+    block, prev = bp.boundary, bp.source
+    _refuse_refresh(cfg, block)
+    stale = [p for p in prev.caches if not is_complete(cfg.cache.root, p.fingerprint)]
+    if stale:
+        raise ConfigError(
+            f"no current boundary-{block - 1} cache for the checkpoint as it is now "
+            f"(missing {', '.join(f'{p.split} {p.fingerprint}' for p in stale)}); "
+            f"run `preinfer cache build --block {block - 1}` or `cache build --block {block}`"
+        )
+    _guard_disk(cfg, src, plan, bp)
+    work = open_writers(cfg, src, plan, bp, {})
+    if bp.complete:
+        log(f"cache refresh: boundary {block} is current ({_fps(bp)}); nothing to do")
+        return {"action": "reused", **_result(bp)}
+    todo = sum(len(s) for _, s in work)
+    pairs = list(zip(bp.caches, prev.caches, strict=True))
+    sources = {p.fingerprint: q.fingerprint for p, q in pairs}
+    rows = {p.fingerprint: m for p, q in pairs if (m := source_rows(p, q)) is not None}
+    stats = _run_workers(cfg, src, work, block, block - 1, sources, log, rows)
+    stats["finalize_s"] = _finish(cfg, [p for p, _ in work])
+    stats["plan_s"] = time.perf_counter() - t0 - stats["seconds"] - stats["finalize_s"]
+    _log_done(log, "refresh", bp, stats, todo, src.store.seq_len)
+    return {"action": "refreshed", **_result(bp), **stats}
+
+
+def build_cache(
+    cfg: Config, block: int, round_: int = 0, *, verify: bool = False, log=print
+) -> dict:
+    """`preinfer cache build --block K`: boundary K's caches as block K's visit of round
+    `round_` reads them, from tokens through blocks 0..K-1. verify: also check a complete
+    cache's shards and rewrite any that fail (repair)."""
+    src = open_sources(cfg)
+    _check_inputs(cfg, src, "cache build")
+    plan = _plan_boundary(cfg, src, block, round_)
+    bad = damaged_shards(cfg, plan.reads) if verify else {}
+    return build_boundary(cfg, src, plan, plan.reads, bad=bad, log=log)
+
+
+def refresh_cache(cfg: Config, block: int, round_: int = 0, *, log=print) -> dict:
+    """`preinfer cache refresh --block K`: boundary K from the complete boundary K-1 cache, both
+    as made for block K's visit of round `round_`, running block K-1 alone."""
+    _refuse_refresh(cfg, block)
+    src = open_sources(cfg)
+    _check_inputs(cfg, src, "cache refresh")
+    plan = _plan_boundary(cfg, src, block, round_)
+    return refresh_boundary(cfg, src, plan, plan.reads, log=log)
+
+
+def _plan_boundary(cfg: Config, src: Sources, block: int, round_: int) -> VisitPlan:
+    """Block `block`'s visit of round `round_`, whose boundary caches a cache stage makes (a
+    cache exists for boundaries 1..M-1 only)."""
+    M = src.ckpt.num_blocks
+    if not 1 <= block < M:
+        raise ConfigError(
+            f"--block {block}: a cache exists only for boundaries 1..{M - 1} "
+            f"(block 0 trains from tokens; the checkpoint has {M} blocks)"
+        )
+    return plan_block(cfg, block, round_, src=src)
+
+
+def _refuse_refresh(cfg: Config, block: int) -> None:
+    """A refresh needs a boundary below (block >= 2) and a lossless cache.dtype."""
     if block < 2:
         raise ConfigError(
             f"--block {block}: refresh needs a boundary-{block - 1} cache; "
@@ -235,32 +376,6 @@ def refresh_cache(
             f"what a build does (and errors would add up block by block); run "
             f"`preinfer cache build --block {block}` (the rotation builds lossy caches from tokens)"
         )
-    src = src or Sources.open(cfg)
-    _check_inputs(cfg, src, "cache refresh")
-    if position is None:  # the source as this boundary's own visit finds it
-        position = visit_position(cfg.train, src.ckpt.num_blocks, round_, block)
-    prev = plan_caches(cfg, block - 1, round_, position=position, create=False, src=src)
-    stale = [p for p in prev if not is_complete(cfg.cache.root, p.fingerprint)]
-    if stale:
-        raise ConfigError(
-            f"no current boundary-{block - 1} cache for the checkpoint as it is now "
-            f"(missing {', '.join(f'{p.split} {p.fingerprint}' for p in stale)}); "
-            f"run `preinfer cache build --block {block - 1}` or `cache build --block {block}`"
-        )
-    _guard_disk(cfg, block, round_, position, src)
-    plans = plan_caches(cfg, block, round_, position=position, src=src)
-    if all(p.complete for p in plans):
-        log(f"cache refresh: boundary {block} is current ({_fps(plans)}); nothing to do")
-        return {"action": "reused", **_result(plans)}
-    todo = sum(len(p.missing) for p in plans)
-    sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)}
-    rows = {p.fingerprint: m for p, q in zip(plans, prev, strict=True)
-            if (m := source_rows(p, q)) is not None}  # fmt: skip
-    stats = _run_workers(cfg, plans, block, block - 1, sources, src.store.seq_len, log, rows)
-    stats["finalize_s"] = _finish(cfg, plans)
-    stats["plan_s"] = time.perf_counter() - t0 - stats["seconds"] - stats["finalize_s"]
-    _log_done(log, "refresh", block, plans, stats, todo, src.store.seq_len)
-    return {"action": "refreshed", **_result(plans), **stats}
 
 
 def source_rows(target: CachePlan, source: CachePlan) -> np.ndarray | None:
@@ -288,30 +403,29 @@ def _check_inputs(cfg: Config, src: Sources, stage: str) -> None:
     check_settings(cfg, stage, tokens=src.store.manifest, checkpoint=src.ckpt.index)
 
 
-def _guard_disk(cfg: Config, block: int, round_: int, position: int | None, src: Sources) -> None:
+def _guard_disk(cfg: Config, src: Sources, plan: VisitPlan, bp: BoundaryPlan) -> None:
     """Refuse before anything is written when what is left of the boundary's caches cannot
     fit the free disk. Committed shards are credited: a build resumed after a full disk needs
     room for the rest only (its manifest alone, once every shard is in)."""
-
-    plans = plan_caches(cfg, block, round_, position=position, create=False, src=src)
-    if not all(p.complete for p in plans):
-        check_disk_for_cache(cfg, block, plans=plans)
-
-
-def _fps(plans: list[CachePlan]) -> str:
-    return ", ".join(f"{p.split} {p.fingerprint[:12]}" for p in plans)
+    if not bp.complete:
+        check_disk_for_boundary(cfg.cache, plan.budget, bp.boundary, hidden=src.ckpt.hidden_size,
+                                seq=src.store.seq_len, plans=bp.caches)  # fmt: skip
 
 
-def _result(plans: list[CachePlan]) -> dict:
-    return {"fingerprints": {p.split: p.fingerprint for p in plans}}
+def _fps(bp: BoundaryPlan) -> str:
+    return ", ".join(f"{p.split} {p.fingerprint[:12]}" for p in bp.caches)
 
 
-def _log_done(log, what, block, plans, stats, todo, seq_len) -> None:
+def _result(bp: BoundaryPlan) -> dict:
+    return {"fingerprints": bp.fingerprints}
+
+
+def _log_done(log, what, bp: BoundaryPlan, stats, todo, seq_len) -> None:
     tok_s = stats["rows"] * seq_len / max(stats["seconds"], 1e-9)
     log(
-        f"cache {what}: boundary {block}: {stats['shards']}/{todo} shards, {stats['rows']} samples "
-        f"in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s, {stats['executor']}; first shard after "
-        f"{stats['startup_s']:.1f}s; worker seconds: "
+        f"cache {what}: boundary {bp.boundary}: {stats['shards']}/{todo} shards, {stats['rows']} "
+        f"samples in {stats['seconds']:.1f}s ({tok_s:,.0f} tok/s, {stats['executor']}; first "
+        f"shard after {stats['startup_s']:.1f}s; worker seconds: "
         + ", ".join(f"{k[:-2]} {stats[k]:.1f}" for k in PHASES)
-        + f") -> {_fps(plans)}"
+        + f") -> {_fps(bp)}"
     )

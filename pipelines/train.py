@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from core.config import ConfigError
+from pipelines.cache_build import open_sources, plan_block
 from pipelines.ray_env import (
     credentials_env,
     ensure_ray,
@@ -26,38 +27,38 @@ from pipelines.ray_env import (
     worker_config,
     worker_payload,
 )
-from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import resolve_device, training_precision
 from preinfer.guards import check_vocab, warn_trainer_memory
+from preinfer.memory import setup_for
 from preinfer.metrics import last_visit_summary
+from preinfer.model_shape import model_shape
 from preinfer.provenance import check_settings
+from preinfer.rotation import VisitBudget
 from preinfer.run_state import check_run, checkpoint_record, load_run_state, save_run_state
 from preinfer.visit import Visit, VisitHooks, VisitSpec, state_path
+from preinfer.visit_plan import VisitPlan
 from preinfer.visit_state import load_state
 from storage.tokens import TokenStore
 
 
-def visit_spec(
-    cfg: Config, block: int, round_: int, mode: str, caches: dict[str, str] | None = None
-) -> VisitSpec:
-    """The visit with, for bcd K > 0, the fingerprints of the caches it must read (`caches`:
-    as the rotation just made them current; else planned here)."""
-    spec = VisitSpec(block=block, round=round_, mode=mode)
-    if mode == "bcd" and block > 0 and caches is not None:
-        spec.cache_train, spec.cache_val = caches["train"], caches["val"]
-    elif mode == "bcd" and block > 0:
-        plans = {p.split: p for p in plan_caches(cfg, block, round_, create=False)}
-        missing = [p for p in plans.values() if not p.complete]
-        if missing:
-            raise ConfigError(
-                f"block {block} trains from the boundary-{block} cache, which is not built for the "
-                f"checkpoint as it is now; run `preinfer cache build --block {block}` (or "
-                f"`cache refresh --block {block}`), or train with --mode bcd-recompute"
-            )
-        spec.cache_train, spec.cache_val = plans["train"].fingerprint, plans["val"].fingerprint
-    return spec
+def visit_spec(plan: VisitPlan) -> VisitSpec:
+    """The visit `plan` plans, with (bcd, K > 0) the fingerprints of the caches it reads."""
+    fps = plan.fingerprints or {}
+    return VisitSpec(block=plan.block, round=plan.round, mode=plan.mode,
+                     cache_train=fps.get("train"), cache_val=fps.get("val"))  # fmt: skip
+
+
+def _require_caches(plan: VisitPlan) -> None:
+    """Refuse a bcd visit whose boundary caches are not built for the checkpoint as it is now."""
+    if plan.reads is not None and not plan.reads.complete:
+        block = plan.block
+        raise ConfigError(
+            f"block {block} trains from the boundary-{block} cache, which is not built for the "
+            f"checkpoint as it is now; run `preinfer cache build --block {block}` (or "
+            f"`cache refresh --block {block}`), or train with --mode bcd-recompute"
+        )
 
 
 def cpus_per_worker(cfg: Config) -> float:
@@ -134,6 +135,29 @@ def precision_line(cfg: Config) -> str:
     return f"{name} ({why})"
 
 
+def check_memory(
+    cfg: Config, ckpt: Checkpoint, budget: VisitBudget, seq: int, *, mode: str,
+    block: int | None = None, log=print,
+) -> dict | None:  # fmt: skip
+    """Say the training precision, and warn (never refuse) when the planner's trainer-peak
+    estimate exceeds this machine's device (guards.warn_trainer_memory): the visit of `block`,
+    or (None) the rotation's worst block, over the rows `budget` plans, S=`seq`. An estimate
+    that fails is said, never raised: it must not stop a run. Returns the worst estimate."""
+    log(f"  training precision: {precision_line(cfg)}")
+    try:
+        device = resolve_device(cfg.run.device)
+        sh = model_shape(cfg.model)
+        setup = setup_for(sh, cfg.train, cfg.cache, cfg.preinfer,
+                          target="gpu" if device.type == "cuda" else "cpu", seq=seq,
+                          token_rows=cfg.data.shard_rows, run_precision=cfg.run.precision,
+                          budget=budget, cards=max(1, cfg.train.workers))  # fmt: skip
+        return warn_trainer_memory(sh, ckpt.partition, setup, mode=mode, device=str(device),
+                                   block=block, log=log)  # fmt: skip
+    except Exception as e:  # an estimate must never stop a run
+        log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
+        return None
+
+
 def run_train(
     cfg: Config,
     block: int,
@@ -142,13 +166,14 @@ def run_train(
     mode: str | None = None,
     log=print,
     memory_check: bool = True,
-    caches: dict[str, str] | None = None,
+    plan: VisitPlan | None = None,
     hooks: VisitHooks | None = None,
 ) -> dict:
     """Train one block visit (`preinfer train --block K`). memory_check: warn first when the
     planner's trainer-peak estimate exceeds the device, and say the training precision (bcd
     does both once for the rotation);
-    caches: the boundary caches' fingerprints by split, when the caller has planned them;
+    plan: the visit's plan, when the caller made it (the rotation: its caches just made
+    current); else planned here, and a bcd visit's caches must be built already;
     hooks: a visit's extension points (in this process only: not sent to Ray Train workers)."""
     mode = mode or cfg.train.mode
     # pre-flight in the driver: bad input fails here with one clear line, not inside a worker
@@ -164,17 +189,18 @@ def run_train(
     # a damaged block file is named before anything else is said of the visit (a missing cache,
     # say: building one would not mend it)
     ckpt.check_files(range(block if mode == "bcd" else 0, ckpt.num_blocks))
-    spec = visit_spec(cfg, block, round_, mode, caches)
+    if plan is None:
+        plan = plan_block(cfg, block, round_, mode=mode, src=open_sources(cfg, ckpt, store))
+        _require_caches(plan)
+    spec = visit_spec(plan)
     if memory_check:
-        log(f"  training precision: {precision_line(cfg)}")
-        try:
-            warn_trainer_memory(cfg, mode=mode, block=None if mode == "full" else block, log=log)
-        except Exception as e:  # an estimate must never stop a run
-            log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
+        check_memory(cfg, ckpt, plan.budget, store.seq_len, mode=mode,
+                     block=None if mode == "full" else block, log=log)  # fmt: skip
     workers = cfg.train.workers
     if workers == 0 or (workers == 1 and not os.environ.get("RAY_ADDRESS")):
         # one worker on this machine: the same loop in this process, no Ray Train start-up
-        return Visit(cfg, spec, device=resolve_device(cfg.run.device), hooks=hooks).run(log=log)
+        device = resolve_device(cfg.run.device)
+        return Visit(cfg, spec, plan=plan, device=device, hooks=hooks).run(log=log)
     if hooks is not None:
         raise ConfigError(
             "visit hooks run in this process only; train with train.workers=0 or 1 to use them"

@@ -30,11 +30,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from preinfer.cache_identity import visit_budget
+from preinfer.cache_identity import PreinferConfig
 from preinfer.device import compute_dtype
 from preinfer.model_shape import ModelShape
 from preinfer.partition import partition_layers
+from preinfer.rotation import VisitBudget
 from preinfer.suffix import adapter_linear_dims
+from preinfer.trainer import TrainConfig
+from storage.config import CacheConfig
 from storage.dataset import buffer_rows, reads_whole
 from storage.layout import rows_per_shard
 from storage.values import stored_dtype
@@ -404,31 +407,35 @@ def smallest_fitting_m(sh: ModelShape, p: Setup, card_bytes: float) -> dict | No
     return next(w for m in range(1, L + 1) if (w := worst(m))["peak"] <= card_bytes)
 
 
-def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
-              seq: int | None = None, cards: int = 1, precision: str | None = None,
-              optimizer: str | None = None, act_recompute: bool = False,
-              n_train: int | None = None, n_val: int | None = None,
-              pipelined: bool = True) -> Setup:  # fmt: skip
-    """The per-card Setup of a config: batch split over `cards` data-parallel replicas, precision
-    from run.precision (auto: amp-bf16 on GPU, fp32 on CPU), cache reader/worker buffers from
-    cache.shard_mb (N unknown: assume at least one full shard). pipelined: pre-inference calls
-    get several shards each (pipelines.cache_build.shards_per_task > 1; True, the larger estimate,
-    when the shard count is not known)."""
+def setup_for(
+    sh: ModelShape, train: TrainConfig, cache: CacheConfig, preinfer: PreinferConfig, *,
+    target: str, seq: int, token_rows: int, run_precision: str = "auto",
+    budget: VisitBudget | None = None, batch: int | None = None, cards: int = 1,
+    precision: str | None = None, optimizer: str | None = None, act_recompute: bool = False,
+    pipelined: bool = True,
+) -> Setup:  # fmt: skip
+    """The per-card Setup of these settings: batch (train.batch_size) split over `cards`
+    data-parallel replicas, precision from run.precision `run_precision` (auto: amp-bf16 on GPU,
+    fp32 on CPU), cache reader/worker buffers from cache.shard_mb and the round's rows
+    (`budget`; None, N unknown: assume at least one full shard). seq: S; token_rows:
+    data.shard_rows. pipelined: pre-inference calls get several shards each
+    (pipelines.cache_build.shards_per_task > 1; True, the larger estimate, when the shard count
+    is not known)."""
 
-    S = seq or cfg.data.seq_len
-    B = batch or cfg.train.batch_size
+    S = seq
+    B = batch or train.batch_size
     b = max(1, math.ceil(B / cards))
     if precision is None:
-        rp = cfg.run.precision
+        rp = run_precision
         precision = "fp32" if rp == "fp32" or (target == "cpu" and rp == "auto") else "amp-bf16"
-    rps = rows_per_shard(S, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
-    budget = None if n_train is None else visit_budget(cfg, n_train, n_val or 0)
+    rps = rows_per_shard(S, sh.hidden, cache.dtype, cache.shard_mb)
+    n_train, n_val = (None, None) if budget is None else (budget.n_train, budget.n_val)
     n_tr = None if budget is None else budget.rows
     tr_rows = rps if n_tr is None else min(rps, n_tr)
     # the trainer's shuffle buffer, as the reader sizes it for a visit's window of the round's
     # rows (N unknown: the full budget); a window that fits it is read whole, on every rank
-    row_bytes = S * sh.hidden * stored_dtype(cfg.cache.dtype).itemsize
-    mb = cfg.train.shuffle_buffer_mb
+    row_bytes = S * sh.hidden * stored_dtype(cache.dtype).itemsize
+    mb = train.shuffle_buffer_mb
     win = None if budget is None else budget.visit_rows
     buf_rows = buffer_rows(
         row_bytes, rps, b, None if win is None else math.ceil(win / cards), None, mb
@@ -437,15 +444,15 @@ def setup_for(cfg, sh: ModelShape, *, target: str, batch: int | None = None,
         buf_rows = win
     val_rows = rps if n_val is None else min(rps, n_val)
     device = "cuda" if target == "gpu" else "cpu"  # a CPU target: this machine's capability
-    prefix = compute_dtype(cfg.preinfer.compute_dtype, cfg.cache.dtype, device)
-    opt = optimizer or cfg.train.optimizer
-    return Setup(precision=precision, optimizer=opt, momentum=cfg.train.momentum != 0,
+    prefix = compute_dtype(preinfer.compute_dtype, cache.dtype, device)
+    opt = optimizer or train.optimizer
+    return Setup(precision=precision, optimizer=opt, momentum=train.momentum != 0,
                  batch=b, seq=S, target=target, act_recompute=act_recompute, world=cards,
                  reader_rows=buf_rows, val_rows=max(val_rows, min(B, n_val or B)),
-                 cache_dtype_bytes=stored_dtype(cfg.cache.dtype).itemsize, shard_rows=tr_rows,
+                 cache_dtype_bytes=stored_dtype(cache.dtype).itemsize, shard_rows=tr_rows,
                  compute_bytes=4 if prefix.compute == "fp32" else 2,
-                 token_rows=min(cfg.data.shard_rows, n_train or cfg.data.shard_rows),
-                 micro_batch=cfg.preinfer.micro_batch,
-                 loss_chunk=cfg.train.loss_chunk, pipelined=pipelined,
-                 suffix_rank=cfg.train.suffix_rank,
-                 suffix_modules=cfg.train.suffix_modules)  # fmt: skip
+                 token_rows=min(token_rows, n_train or token_rows),
+                 micro_batch=preinfer.micro_batch,
+                 loss_chunk=train.loss_chunk, pipelined=pipelined,
+                 suffix_rank=train.suffix_rank,
+                 suffix_modules=train.suffix_modules)  # fmt: skip

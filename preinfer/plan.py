@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, field_docs
-from preinfer.cache_identity import boundary_rows, boundary_visits, visit_budget
 from preinfer.costmodel import Flops
 from preinfer.guards import cache_bytes
 from preinfer.memory import (
@@ -27,6 +26,8 @@ from preinfer.memory import (
 )
 from preinfer.model_shape import model_shape
 from preinfer.partition import partition_layers
+from preinfer.rotation import visit_budget
+from preinfer.visit_plan import plan_visit
 from preinfer.writer_budget import format_writer, writer_plan
 from storage.layout import free_disk_bytes
 from storage.tokens import TokenStore
@@ -200,9 +201,12 @@ def build_plan(cfg, o: PlanOptions) -> dict:
         raise ConfigError(f"plan: M={M} blocks is out of range 1..{len(sh.layers)} layers")
     part = partition_layers(list(sh.layers), sh.embed, sh.head, M)
     n_tr, n_val, n_src = _n_samples(cfg, o, S)
-    p = setup_for(cfg, sh, target=target, batch=o.batch, seq=S, cards=o.cards,
-                  precision=o.precision, optimizer=o.optimizer, act_recompute=o.act_recompute,
-                  n_train=n_tr, n_val=n_val)  # fmt: skip
+    rows = None if n_tr is None else visit_budget(cfg.train, cfg.preinfer.sample_fraction, n_tr,
+                                                  n_val or 0)  # fmt: skip
+    p = setup_for(sh, cfg.train, cfg.cache, cfg.preinfer, target=target, seq=S,
+                  token_rows=cfg.data.shard_rows, run_precision=cfg.run.precision, budget=rows,
+                  batch=o.batch, cards=o.cards, precision=o.precision, optimizer=o.optimizer,
+                  act_recompute=o.act_recompute)  # fmt: skip
     mem, peak, price = _card(o.card, o.gpu_mem, o.peak_tflops, o.price, p.precision)
     stages = [trainer_memory(sh, part, "full", 0, p)]
     stages += [trainer_memory(sh, part, "bcd", k, p) for k in range(M)]
@@ -229,7 +233,7 @@ def build_plan(cfg, o: PlanOptions) -> dict:
     kept = optimizer_state_bytes(p) * sh.params if cfg.train.keep_optimizer_state else 0
     plan["checkpoint"] = {"weights": weights, "optimizer_state": kept, "total": weights + kept}
     plan["cost"] = _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val)
-    plan["writer"] = writer_plan(cfg, o, sh, part, S, peak["infer"])
+    plan["writer"] = writer_plan(cfg.cache, o, sh, part, S, peak["infer"])
     return plan
 
 
@@ -237,9 +241,11 @@ def _cache(cfg, o, sh, S, M, n_tr, n_val) -> dict:
 
     free = o.free_disk * GiB if o.free_disk is not None else free_disk_bytes(cfg.cache.root)
     if n_tr is None:
-        one = cache_bytes(cfg, hidden=sh.hidden, seq=S, n_train=1000, n_val=0)
+        rows = visit_budget(cfg.train, cfg.preinfer.sample_fraction, 1000, 0)
+        one = cache_bytes(cfg.cache, rows, hidden=sh.hidden, seq=S)
         return {"per_1000_samples": one, "free": free, "boundaries_at_once": None}
-    per = cache_bytes(cfg, hidden=sh.hidden, seq=S, n_train=n_tr, n_val=n_val)
+    rows = visit_budget(cfg.train, cfg.preinfer.sample_fraction, n_tr, n_val)
+    per = cache_bytes(cfg.cache, rows, hidden=sh.hidden, seq=S)
     alive = 0 if M < 2 else (M - 1 if cfg.cache.keep else min(2, M - 1))
     return {"per_boundary": per, "boundaries_at_once": alive, "peak_disk": alive * per["expected"],
             "free": free, "fits": alive * per["expected"] <= free}  # fmt: skip
@@ -269,9 +275,10 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
            "full": full_on(plan["setup"]["card_bytes"], peak, price)}  # fmt: skip
     times = [step_time(f"bcd {k}", fl.bcd(k), o.cards, peak["train"]) for k in range(M)]
     pre = None
-    budget = visit_budget(cfg, n_tr, n_val or 0) if n_tr else None
+    frac = cfg.preinfer.sample_fraction
+    budget = visit_budget(cfg.train, frac, n_tr, n_val or 0) if n_tr else None
     # train rows each boundary of round 0 holds: the windows of the visits it serves
-    held = {k: len(boundary_rows(budget, boundary_visits(cfg, M, 0, k)))
+    held = {k: plan_visit(cfg.train, budget, M, 0, k).cache_rows
             for k in range(1, M)} if budget else {}  # fmt: skip
     cached = max(held.values()) if held else (budget.rows if budget else None)
     if held and peak["infer"]:  # per round: each boundary refreshed once, in bf16

@@ -8,7 +8,6 @@ import resource
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
 from core.config import ConfigError
@@ -151,23 +150,6 @@ class TrainConfig:
             "weight_decay": self.weight_decay if self.weight_decay is not None else wd,
             "betas": tuple(self.betas) if self.betas is not None else (0.9, 0.999),
         }
-
-
-def round_blocks(tc: TrainConfig, M: int, round_: int) -> list[int]:
-    """The blocks of round `round_` in the order they train (train.order; bcd modes). random:
-    a permutation of 0..M-1 drawn from (train.seed, round) alone, so a resumed rotation, a
-    single `preinfer train` visit and the planner all see the same order."""
-    if tc.order == "ascending":
-        return list(range(M))
-    if tc.order == "descending":
-        return list(range(M - 1, -1, -1))
-    return [int(b) for b in np.random.default_rng([tc.seed, round_, 31]).permutation(M)]
-
-
-def visit_position(tc: TrainConfig, M: int, round_: int, block: int) -> int:
-    """The place of block `block`'s visit in round `round_`'s order (round_blocks): it picks
-    the visit's window of the round's rows and the rows its boundary cache holds."""
-    return round_blocks(tc, M, round_).index(block)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,15 +27,6 @@ import torch
 from core import faults
 from core.config import ConfigError
 from preinfer.batches import CacheBatches, CacheWindow, TokenBatches, endless
-from preinfer.cache_identity import (
-    boundary_rows,
-    boundary_visits,
-    cache_window,
-    store_budget,
-    visit_data_seed,
-    visit_train_rows,
-    visit_window,
-)
 from preinfer.checkpoint import Checkpoint
 from preinfer.config import Config
 from preinfer.device import autocast, compute_dtype, pin_threads, torch_dtype
@@ -45,6 +36,7 @@ from preinfer.metrics import append_metrics
 from preinfer.optim_state import SEP, load_optimizer_tensors, optimizer_tensors
 from preinfer.partition import trainable_named_parameters
 from preinfer.prefix import forward_prefix
+from preinfer.rotation import store_budget
 from preinfer.suffix import SuffixAdapters, kept_optimizer_state, resume_mismatch, suffix_spec
 from preinfer.trainer import (
     build_optimizer,
@@ -53,8 +45,8 @@ from preinfer.trainer import (
     peak_memory_mb,
     reset_peak_memory,
     train_step,
-    visit_position,
 )
+from preinfer.visit_plan import VisitPlan, plan_visit
 from preinfer.visit_state import drop_state, load_state, save_state, tokens_warning
 from storage.reader import open_cache
 from storage.tokens import TokenStore
@@ -108,6 +100,7 @@ class Visit:
         cfg: Config,
         spec: VisitSpec,
         *,
+        plan: VisitPlan | None = None,
         device: torch.device,
         rank: int = 0,
         world: int = 1,
@@ -174,21 +167,25 @@ class Visit:
             p.requires_grad_(True)
         self.model.train(cfg.model.dropout > 0)
         self.store = TokenStore(cfg.data.out_dir)
-        # bcd modes: the round's rows and the visit's steps (cache_identity.visit_budget); full:
+        # the visit's plan (preinfer.visit_plan): its place in its round (train.order), its
+        # window of the round's rows, its steps; made by the caller, else (a visit run by hand,
+        # a worker rank) here
+        if plan is None:
+            budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, self.store)
+            plan = plan_visit(cfg.train, budget, self.M, spec.round, K, mode=spec.mode)
+        if (plan.block, plan.round, plan.mode) != (K, spec.round, spec.mode):
+            raise ValueError(f"the plan of {plan.mode} round {plan.round} block {plan.block} "
+                             f"is not this visit's ({spec.mode} round {spec.round} block {K})")  # fmt: skip
+        self.plan = plan
+        # bcd modes: the round's rows and the visit's steps (rotation.visit_budget); full:
         # every train row, max_steps (the rotation sets it to the whole rotation's steps)
-        self.budget = store_budget(cfg, self.store)
-        steps = cfg.train.max_steps if spec.mode == "full" else self.budget.steps
+        steps = cfg.train.max_steps if spec.mode == "full" else plan.budget.steps
         self.tc = dataclasses.replace(cfg.train, max_steps=steps)  # the schedule spans the visit
         # train.schedule=run (bcd modes): this visit's steps are positions [v*steps, (v+1)*steps)
         # of one schedule over the rotation's rounds x M visits, v its index in the rotation
         self.sched, self.lr_offset = self.tc, 0
-        # bcd modes: the visit's place in its round (train.order) picks its window of the rows
-        self.position = (
-            0 if spec.mode == "full" else visit_position(cfg.train, self.M, spec.round, K)
-        )
-        self.window = visit_window(self.budget, self.position)  # (start, rows) of the round's
         if cfg.train.schedule == "run" and spec.mode != "full":
-            self.lr_offset = (spec.round * self.M + self.position) * steps
+            self.lr_offset = (spec.round * self.M + plan.position) * steps
             self.sched = dataclasses.replace(self.tc, max_steps=cfg.train.rounds * self.M * steps)
         self._data()
 
@@ -223,11 +220,10 @@ class Visit:
                          chunk=self.cfg.train.loss_chunk)  # fmt: skip
 
     def _data(self) -> None:
-        cfg, spec = self.cfg, self.spec
-        seed = visit_data_seed(cfg, spec.round, spec.block)
+        cfg, spec, plan = self.cfg, self.spec, self.plan
         kw = dict(
             batch_size=cfg.train.batch_size,
-            seed=seed,
+            seed=plan.data_seed,
             rank=self.rank,
             world=self.world,
             shuffle=spec.shuffle,
@@ -241,25 +237,22 @@ class Visit:
                 root, spec.cache_val, expected_fingerprint=spec.cache_val, lease_s=lease_s
             )
             # the boundary holds the windows of the visits it serves; this visit reads its own
-            held = boundary_rows(
-                self.budget, boundary_visits(cfg, self.M, spec.round, self.K, self.position)
-            )
             train = self.train_cache
-            if train.num_samples != len(held):
+            if train.num_samples != plan.cache_rows:
                 raise ConfigError(
                     f"cache {spec.cache_train[:12]} holds {train.num_samples} train rows, but "
-                    f"block {self.K}'s boundary in round {spec.round} holds {len(held)} under this "
-                    "config; rebuild it (`preinfer cache build`) with the config the visit runs"
+                    f"block {self.K}'s boundary in round {spec.round} holds {plan.cache_rows} "
+                    "under this config; rebuild it (`preinfer cache build`) with the config the "
+                    "visit runs"
                 )
-            start, n = cache_window(self.budget, held, self.position)
+            start, n = plan.cache_window
             if start or n < train.num_samples:  # this visit's window of the boundary's rows
                 train = CacheWindow(train, start, n)
             self.batches = CacheBatches(train, buffer_mb=cfg.train.shuffle_buffer_mb, **kw)
         else:
-            rows = None  # full: every train row
-            if spec.mode != "full":  # this visit's window of the round's rows, as a cache reads it
-                rows = visit_train_rows(cfg, self.budget, spec.round, self.position)
-            self.batches = TokenBatches(self.store, "train", indices=rows, **kw)
+            # full: every train row; else this visit's window of the round's rows, as a cache
+            # reads it
+            self.batches = TokenBatches(self.store, "train", indices=plan.train_rows(), **kw)
         if self.hooks.batches is not None:
             self.batches = self.hooks.batches(self, self.batches)
 
@@ -430,8 +423,8 @@ class Visit:
             "spec": asdict(spec),
         }
         if spec.mode != "full":  # which of the round's cached rows (cache row order) it read
-            summary["rows"] = {"start": self.window[0], "rows": self.window[1],
-                               "of": self.budget.rows}  # fmt: skip
+            summary["rows"] = {"start": self.plan.window[0], "rows": self.plan.window[1],
+                               "of": self.plan.budget.rows}  # fmt: skip
         bad_params = self._non_finite_params()
         if bad_params:
             self._diverged(spath, step, f"{bad_params} trainable tensor(s) hold NaN/inf values")

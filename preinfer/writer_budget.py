@@ -14,15 +14,17 @@ import os
 
 from core.config import ConfigError
 from preinfer.costmodel import WRITER_MB_PER_CORE_S, WRITER_SOURCE, Flops, writer_cores, writer_key
+from storage.config import CacheConfig
 from storage.values import is_lossy, stored_dtype
 
 
-def writer_plan(cfg, o, sh, part, S: int, infer_peak: float | None) -> dict:
-    """Whether the cache writer keeps up with one card's pre-inference: its output in MB/s
-    (forward tokens/s x H x stored bytes per value), the cores that needs at the writer's MB
-    per core-second, against the cores per card and the encoder threads (cache.codec_threads);
-    when short, what would do: more encoder threads, or a lighter codec. `o`: PlanOptions."""
-    c, M = cfg.cache, part.num_blocks
+def writer_plan(c: CacheConfig, o, sh, part, S: int, infer_peak: float | None) -> dict:
+    """Whether the cache writer of cache settings `c` keeps up with one card's pre-inference:
+    its output in MB/s (forward tokens/s x H x stored bytes per value), the cores that needs at
+    the writer's MB per core-second, against the cores per card and the encoder threads
+    (cache.codec_threads); when short, what would do: more encoder threads, or a lighter codec.
+    `o`: PlanOptions."""
+    M = part.num_blocks
     if o.forward_tokens_s is not None and o.forward_tokens_s <= 0:
         raise ConfigError(f"plan: --forward-tokens-s must be > 0, got {o.forward_tokens_s}")
     if (o.writer_mb_s is not None and o.writer_mb_s <= 0) or (o.host_cores or 1) < 1:

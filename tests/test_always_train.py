@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from pipelines.bcd import run_bcd
-from pipelines.cache_build import build_cache
+from pipelines.cache_build import build_cache, plan_block
 from pipelines.train import run_train
-from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_init import init_checkpoint
 from preinfer.optim_state import SEP
@@ -61,7 +60,7 @@ def test_the_head_trains_in_every_visit_and_no_cache_is_invalidated(llama_run):
     assert ckpt.prefix_hash(1) == prefixes[0]
     assert ckpt.prefix_hash(2) != prefixes[1]  # block 1 trained
     # block 1's cache is still current: the head is after it
-    assert all(p.complete for p in plan_caches(cfg, 1, 0, create=False))
+    assert plan_block(cfg, 1, 0).reads.complete
     # its AdamW state: kept with block 2's (which keeps no layer state yet: never visited)
     saved = ckpt.optimizer_state(2)
     assert saved is not None and saved[0] == "adamw"

@@ -25,8 +25,7 @@ import psutil
 import pytest
 
 from core.faults import SHARD_DELAY_S, SHARD_LOG
-from pipelines.cache_build import build_cache
-from preinfer.cache_identity import plan_caches
+from pipelines.cache_build import build_cache, plan_block
 from storage.reader import open_cache
 from tests.pipeline_fixtures import TINY, quiet
 from tests.test_kills import assert_same_cache, retried, shard_log
@@ -233,7 +232,7 @@ def test_job_submit_builds_a_cache_that_verifies(ray_cluster, tiny_run):
     r = ray_cluster.job("submit", "--", *build_entry(cfg.run.dir, 2))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "cache build: boundary 2" in r.stdout
-    for p in plan_caches(cfg, 2, create=False):
+    for p in plan_block(cfg, 2).caches:
         assert p.complete, p.split
         assert open_cache(cfg.cache.root, p.fingerprint).verify() == []
 
@@ -308,7 +307,7 @@ def test_worker_node_dies_mid_preinference_and_the_job_still_completes(two_node_
     logs = client.get_job_logs(job_id)
     assert status == "SUCCEEDED", logs[-6000:]
     assert "cache build: boundary 2" in logs
-    plans = plan_caches(cfg, 2, create=False)
+    plans = plan_block(cfg, 2).caches
     total = sum(open_cache(root, p.fingerprint).num_shards for p in plans)
     assert done_at_kill < total, f"the build had finished ({total} shards) before the kill"
     again = retried(shard_log(log))

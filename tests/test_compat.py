@@ -8,8 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pipelines.cache_build import build_cache
-from preinfer.cache_identity import plan_caches
+from pipelines.cache_build import build_cache, plan_block
 from preinfer.config import load_config
 from storage.reader import open_cache
 from tests.pipeline_fixtures import quiet
@@ -31,7 +30,7 @@ def test_a_cache_written_before_this_round_verifies_and_is_reused(tmp_path):
     made, cfg = _cfg(run, "preinfer.compute_dtype=bf16")
     for fp in made["fingerprints"].values():
         assert open_cache(cfg.cache.root, fp, expected_fingerprint=fp).verify() == []
-    plans = plan_caches(cfg, 1, create=False)
+    plans = plan_block(cfg, 1).caches
     assert {p.split: p.fingerprint for p in plans} == made["fingerprints"]
     assert all(p.complete for p in plans)
     res = build_cache(cfg, 1, log=quiet)
@@ -39,5 +38,5 @@ def test_a_cache_written_before_this_round_verifies_and_is_reused(tmp_path):
     # computed another way (fp32, rounded at block boundaries) it is another cache, never a
     # stale read of this one
     _, fp32 = _cfg(run, "preinfer.compute_dtype=fp32")
-    other = {p.split: p.fingerprint for p in plan_caches(fp32, 1, create=False)}
+    other = plan_block(fp32, 1).fingerprints
     assert not set(other.values()) & set(made["fingerprints"].values())

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelines.cache_build import build_cache
+from pipelines.cache_build import build_cache, plan_block
 from pipelines.train import run_rank, run_train, visit_spec, worker_loop_config
 from preinfer.checkpoint import Checkpoint
 from preinfer.visit import VisitHooks
@@ -108,9 +108,10 @@ def test_two_gloo_ranks_match_one_worker_fed_the_same_global_batches(tiny_run, t
     # the DDP run: the loop configs Ray Train would get, run by 2 ranks of a gloo group
     cfgs2 = [tiny_run("train.workers=2", f"run.dir={two_dir}", *o) for _, _, o in VISITS]
     configs = [
-        worker_loop_config(c, visit_spec(c, b, 0, m, fps if b == 1 else None))
+        worker_loop_config(c, visit_spec(plan_block(c, b, 0, mode=m)))
         for c, (b, m, _) in zip(cfgs2, VISITS, strict=True)
     ]
+    assert configs[0]["spec"]["cache_train"] == fps["train"]  # the caches just built
     # rank 1 in a fresh process, rank 0 here (already warm: one import of torch+transformers
     # less on a 2-CPU machine)
     init_file, out = str(tmp_path / "pg"), tmp_path / "rank1.pt"

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from pipelines.bcd import run_bcd
-from pipelines.cache_build import build_cache
-from preinfer.cache_identity import plan_caches
+from pipelines.cache_build import build_cache, plan_block
 from preinfer.checkpoint import Checkpoint
 from storage.cache import CacheWriter
 from storage.config import CacheConfig
@@ -103,7 +102,7 @@ def test_disk_full_mid_write_then_rerun_recovers(small_fs):
 def test_corrupted_cache_is_repaired_by_rerunning_bcd(tiny_run):
     cfg = tiny_run("train.max_steps=2", "train.eval_every=0", "cache.keep=true")
     run_bcd(cfg, log=quiet)
-    fp = {p.split: p.fingerprint for p in plan_caches(cfg, 2, create=False)}["train"]
+    fp = plan_block(cfg, 2).fingerprints["train"]
     shard = sorted(Path(cfg.cache.root, fp, "hidden.zarr").rglob("c/*/0/0"))[0]
     data = bytearray(shard.read_bytes())
     data[100] ^= 0x55
@@ -127,7 +126,7 @@ def test_replaced_checkpoint_block_never_reads_the_old_cache(tiny_run):
     model, adapter = ckpt.load([1])
     state = {k: v + 0.01 for k, v in ckpt.block_state(model, adapter, 1).items()}
     ckpt.commit_block(1, state)  # a different block 1: the boundary-2 cache is stale
-    plans = plan_caches(cfg, 2, create=False)
+    plans = plan_block(cfg, 2).caches
     assert all(not p.complete for p in plans)
     assert {p.split: p.fingerprint for p in plans} != old
     from core.config import ConfigError

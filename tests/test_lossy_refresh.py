@@ -9,10 +9,9 @@ import pytest
 
 from core.config import ConfigError
 from pipelines.bcd import run_bcd
-from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.cache_build import build_cache, open_sources, plan_block, refresh_cache
 from pipelines.cli import main
 from pipelines.prefix_worker import PrefixWorker
-from preinfer.cache_identity import compute_choice, plan_caches
 from storage.reader import open_cache
 from storage.values import encode
 from tests.pipeline_fixtures import quiet
@@ -59,8 +58,8 @@ def test_a_refresh_would_not_hold_the_build_bytes(tiny_run, tmp_path, dtype):
         cfg = tiny_run(f"cache.dtype={d}", f"cache.root={tmp_path / d}")
         build_cache(cfg, 1, log=quiet)
         fp = build_cache(cfg, 2, log=quiet)["fingerprints"]["train"]
-        src = {p.split: p.fingerprint for p in plan_caches(cfg, 1, create=False)}["train"]
-        choice = compute_choice(cfg)
+        src = plan_block(cfg, 1).fingerprints["train"]
+        choice = open_sources(cfg).compute
         w = PrefixWorker(cfg, 2, 1, {fp: src}, choice.compute, choice.round_to)
         try:
             built = open_cache(cfg.cache.root, fp)

@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from core.config import ConfigError
-from pipelines.cache_build import build_cache
+from pipelines.cache_build import build_cache, plan_block
 from pipelines.eval import run_eval
 from pipelines.tokenize import run_tokenize
 from preinfer.adapters import forward_blocks
-from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.loss import IGNORE, evaluate_tokens
 from preinfer.tokenization import is_val, iter_documents, load_tokenizer
@@ -184,7 +183,7 @@ def test_step_from_cache_equals_step_with_prefix_recomputed(pairs_run, tmp_path)
     cached = pairs_run(*over)
     fps = build_cache(cached, 1, log=quiet)["fingerprints"]
     # the cache's labels are the store's, masks included, row for row
-    plan = {p.split: p for p in plan_caches(cached, 1, create=False)}
+    plan = {p.split: p for p in plan_block(cached, 1).caches}
     tokens = TokenStore(cached.data.out_dir)
     for split in ("train", "val"):
         cache = open_cache(cached.cache.root, fps[split], expected_fingerprint=fps[split])

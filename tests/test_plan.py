@@ -21,9 +21,15 @@ import torch
 from core.config import ConfigError
 from preinfer import memory, plan
 from preinfer.config import load_config
-from preinfer.guards import DiskSpaceError, check_disk_for_cache, warn_trainer_memory
+from preinfer.guards import (
+    DiskSpaceError,
+    check_disk_for_boundary,
+    check_disk_for_rotation,
+    warn_trainer_memory,
+)
 from preinfer.model_shape import model_shape
 from preinfer.partition import partition_layers
+from preinfer.rotation import store_budget, visit_budget
 from tests.conftest import tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,11 +100,28 @@ def test_plan_configs_load_and_say_plan_only():
         load_config(f)
 
 
+def setup(cfg, sh, n_train=None, n_val=None, **kw):
+    """memory.setup_for over the config's sections (n_train, n_val: the split's rows)."""
+    frac, seq = cfg.preinfer.sample_fraction, kw.pop("seq", cfg.data.seq_len)
+    rows = None if n_train is None else visit_budget(cfg.train, frac, n_train, n_val)
+    return memory.setup_for(
+        sh,
+        cfg.train,
+        cfg.cache,
+        cfg.preinfer,
+        seq=seq,
+        budget=rows,
+        token_rows=cfg.data.shard_rows,
+        run_precision=cfg.run.precision,
+        **kw,
+    )
+
+
 def test_breakdown_follows_what_each_stage_loads(tmp_path):
     cfg = load_config(ROOT / "configs" / "plan-g7b.yaml", [f"run.dir={tmp_path}"])
     sh = model_shape(cfg.model)
     part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
-    p = memory.setup_for(cfg, sh, target="gpu")
+    p = setup(cfg, sh, target="gpu")
     full = memory.trainer_memory(sh, part, "full", 0, p)
     rows = [memory.trainer_memory(sh, part, "bcd", k, p) for k in range(3)]
     assert full["active_params"] == sh.params
@@ -106,11 +129,11 @@ def test_breakdown_follows_what_each_stage_loads(tmp_path):
     assert rows[2]["loaded_params"] == part.block_params[2] + sh.head_matrix  # + the tied head
     assert all(r["peak"] < full["peak"] for r in rows)
     assert [r["active_params"] for r in rows] == part.block_params
-    adam, sgd = (memory.setup_for(cfg, sh, target="gpu", optimizer=o) for o in ("adam", "sgd"))
+    adam, sgd = (setup(cfg, sh, target="gpu", optimizer=o) for o in ("adam", "sgd"))
     static = [memory.trainer_memory(sh, part, "bcd", 1, q)["basis"]["static"] for q in (adam, sgd)]
     assert static[0] - static[1] == 4 * part.block_params[1]  # two fp32 moments vs momentum
-    big = memory.setup_for(cfg, sh, target="gpu", batch=4)
-    lean = memory.setup_for(cfg, sh, target="gpu", batch=4, act_recompute=True)
+    big = setup(cfg, sh, target="gpu", batch=4)
+    lean = setup(cfg, sh, target="gpu", batch=4, act_recompute=True)
     peak = lambda q: memory.trainer_memory(sh, part, "bcd", 0, q)["peak"]  # noqa: E731
     assert peak(p) < peak(big) and peak(lean) < peak(big)
 
@@ -150,52 +173,72 @@ def tiny_run(tmp_path):
     return cfg
 
 
+def _budget(cfg):
+    from storage.tokens import TokenStore
+
+    return store_budget(cfg.train, cfg.preinfer.sample_fraction, TokenStore(cfg.data.out_dir))
+
+
+DIMS = {"hidden": 32, "seq": 16}  # the tiny model's H, the token store's S
+
+
 def test_disk_guard_refuses_when_the_cache_exceeds_free_disk(tiny_run):
     cfg = tiny_run
+    b = _budget(cfg)
     with pytest.raises(DiskSpaceError, match="free at"):
-        check_disk_for_cache(cfg, 1, free_bytes=1000)
-    ok = check_disk_for_cache(cfg, 1, free_bytes=10**12)
+        check_disk_for_boundary(cfg.cache, b, 1, **DIMS, free_bytes=1000)
+    ok = check_disk_for_boundary(cfg.cache, b, 1, **DIMS, free_bytes=10**12)
     per = ok["per_boundary"]
     assert per["samples"] == 220 and ok["need"] == per["expected"] > 220 * 16 * 32 * 2
-    rot = check_disk_for_cache(cfg, free_bytes=10**12)  # the rotation: source + target
+    # the rotation: source + target
+    rot = check_disk_for_rotation(cfg.cache, cfg.train, b, **DIMS, M=3, free_bytes=10**12)
     assert rot["need"] == 2 * per["expected"]
-    assert check_disk_for_cache(cfg, mode="full", free_bytes=1) is None  # full writes no cache
+    # one block: no boundary, no cache
+    assert check_disk_for_rotation(cfg.cache, cfg.train, b, **DIMS, M=1, free_bytes=1) is None
     with pytest.raises(DiskSpaceError):
-        check_disk_for_cache(cfg, free_bytes=rot["need"] - 1)
+        check_disk_for_rotation(cfg.cache, cfg.train, b, **DIMS, M=3, free_bytes=rot["need"] - 1)
     plans = [SimpleNamespace(split="train", fingerprint="a", complete=False),
              SimpleNamespace(split="val", fingerprint="b", complete=True)]  # fmt: skip
-    part = check_disk_for_cache(cfg, 1, plans=plans, free_bytes=10**12)
+    part = check_disk_for_boundary(cfg.cache, b, 1, **DIMS, plans=plans, free_bytes=10**12)
     assert part["need"] == per["train"]  # val is complete; train's one shard is still to write
     done = Path(cfg.cache.root, "a", "done")
     done.mkdir(parents=True)
     (done / "00000.json").write_text("{}")  # its shard committed: a resumed build needs nothing
-    assert check_disk_for_cache(cfg, 1, plans=plans, free_bytes=1)["need"] == 0
+    assert check_disk_for_boundary(cfg.cache, b, 1, **DIMS, plans=plans, free_bytes=1)["need"] == 0
 
 
 def test_disk_estimate_uses_a_measured_codec_ratio(tiny_run):
     cfg = tiny_run
-    before = check_disk_for_cache(cfg, 1, free_bytes=10**12)["per_boundary"]
+    b = _budget(cfg)
+    before = check_disk_for_boundary(cfg.cache, b, 1, **DIMS, free_bytes=10**12)["per_boundary"]
     man = {"dtype": cfg.cache.dtype, "compression_ratio": 2.0, "fingerprint": "f" * 32,
            "codec": {"codec": cfg.cache.codec, "shuffle": cfg.cache.shuffle,
                      "level": cfg.cache.level}}  # fmt: skip
     d = Path(cfg.cache.root) / ("f" * 32)
     d.mkdir(parents=True)
     (d / "manifest.json").write_text(json.dumps(man))
-    after = check_disk_for_cache(cfg, 1, free_bytes=10**12)["per_boundary"]
+    after = check_disk_for_boundary(cfg.cache, b, 1, **DIMS, free_bytes=10**12)["per_boundary"]
     assert after["ratio"] == 2.0 and before["ratio"] is None
     values = 220 * 16 * 32 * 2
     assert before["expected"] - after["expected"] == pytest.approx(values / 2, abs=2)
 
 
 def test_memory_warning_only_when_the_estimate_exceeds_the_device(tiny_run):
+    sh = model_shape(tiny_run.model)
+    part = partition_layers(list(sh.layers), sh.embed, sh.head, tiny_run.partition.num_blocks)
+    on_cpu = setup(tiny_run, sh, 200, 20, target="cpu", seq=16)
+
+    def warn(mode="bcd", **kw):
+        return warn_trainer_memory(sh, part, on_cpu, mode=mode, device="cpu", **kw)
+
     with pytest.warns(ResourceWarning, match="exceeds"):
-        worst = warn_trainer_memory(tiny_run, device_bytes=1)
+        worst = warn(device_bytes=1)
     assert worst["stage"].startswith("bcd block")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert warn_trainer_memory(tiny_run, mode="full", device_bytes=2**50)["stage"] == "full"
+        assert warn("full", device_bytes=2**50)["stage"] == "full"
     said = []
-    warn_trainer_memory(tiny_run, device_bytes=1, log=said.append)
+    warn(device_bytes=1, log=said.append)
     assert said and "partition.num_blocks" in said[0]
 
 
@@ -291,7 +334,7 @@ def test_cpu_phases_follow_what_the_process_holds(tmp_path):
     cfg = load_config(ROOT / "configs" / "demo.yaml", [f"run.dir={tmp_path}"])
     sh = model_shape(cfg.model)
     part = partition_layers(list(sh.layers), sh.embed, sh.head, 3)
-    p = memory.setup_for(cfg, sh, target="cpu", n_train=11773, n_val=1142)
+    p = setup(cfg, sh, 11773, 1142, target="cpu")
     r = memory.trainer_memory(sh, part, "bcd", 2, p)
     assert r["phase"] == "eval" and r["basis"]["val_buffer"] > 0
     back = memory.trainer_memory(sh, part, "bcd", 2, memory.Setup(**{**p.__dict__, "val_rows": 0}))
@@ -304,7 +347,7 @@ def test_cpu_phases_follow_what_the_process_holds(tmp_path):
     pre = {}
     for dt in ("bf16", "fp32"):
         c = load_config(ROOT / "configs" / "demo.yaml", [f"preinfer.compute_dtype={dt}"])
-        q = memory.setup_for(c, sh, target="cpu", n_train=11773, n_val=1142)
+        q = setup(c, sh, 11773, 1142, target="cpu")
         assert q.compute_bytes == {"bf16": 2, "fp32": 4}[dt] and q.cache_dtype_bytes == 2
         pre[dt] = memory.preinfer_memory(sh, part, 1, q)
     assert pre["bf16"]["basis"]["load"] == 4 * n + 2 * sh.max_tensor  # a bf16 cast copy
@@ -312,7 +355,7 @@ def test_cpu_phases_follow_what_the_process_holds(tmp_path):
     assert pre["fp32"]["basis"]["weights"] == 2 * pre["bf16"]["basis"]["weights"] == 4 * n
     assert pre["fp32"]["basis"]["work"] == 2 * pre["bf16"]["basis"]["work"]
     assert pre["fp32"]["basis"]["shard"] == pre["bf16"]["basis"]["shard"]  # stored bf16 either way
-    gpu = memory.trainer_memory(sh, part, "bcd", 2, memory.setup_for(cfg, sh, target="gpu"))
+    gpu = memory.trainer_memory(sh, part, "bcd", 2, setup(cfg, sh, target="gpu"))
     assert gpu["phase"] != "load"
 
 

@@ -10,9 +10,8 @@ import torch
 
 from core.config import ConfigError
 from core.faults import DIE_ONCE
-from pipelines.cache_build import build_cache, refresh_cache
+from pipelines.cache_build import build_cache, open_sources, open_writers, plan_block, refresh_cache
 from preinfer.adapters import forward_blocks
-from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from storage.reader import open_cache
 from storage.tokens import TokenStore
@@ -26,7 +25,7 @@ def reference(cfg, block, split, dtype, round_to=None):
     model, adapter = ckpt.load(range(ckpt.num_blocks))
     model.to(dtype).eval()
     store = TokenStore(cfg.data.out_dir)
-    fp = {p.split: p.fingerprint for p in plan_caches(cfg, block, create=False)}[split]
+    fp = plan_block(cfg, block).fingerprints[split]
     cache = open_cache(cfg.cache.root, fp, expected_fingerprint=fp)
     ids = torch.from_numpy(store.read(split, 0, store.num_samples(split))[:, :-1]).long()
     ids = ids[cache.read_labels(0, cache.num_samples)[1]]  # (N, S) in cache row order
@@ -127,14 +126,11 @@ def test_bf16_cache_from_fp32_compute_equals_per_block_rounded_forward(tiny_run)
     assert not torch.equal(hidden, whole.to(torch.bfloat16))
     # a compute dtype other than the stored one enters the fingerprint; the stored dtype's own
     # does not (caches written before compute_dtype existed keep theirs)
-    bf = {p.split: p.fingerprint for p in plan_caches(
-        tiny_run("cache.dtype=bf16", "preinfer.compute_dtype=bf16"), 2, create=False)}  # fmt: skip
+    bf = plan_block(tiny_run("cache.dtype=bf16", "preinfer.compute_dtype=bf16"), 2).fingerprints
     assert bf != res["fingerprints"]
     fp32 = tiny_run("preinfer.compute_dtype=fp32")
     auto = tiny_run()
-    assert [p.fingerprint for p in plan_caches(fp32, 2, create=False)] == [
-        p.fingerprint for p in plan_caches(auto, 2, create=False)
-    ]
+    assert plan_block(fp32, 2).fingerprints == plan_block(auto, 2).fingerprints
 
 
 def test_auto_compute_dtype_follows_the_hardware(monkeypatch):
@@ -249,16 +245,16 @@ def test_interrupted_build_recomputes_only_missing_shards(tiny_run):
 
 def test_sampling_is_deterministic_and_fingerprinted(tiny_run):
     cfg = tiny_run("preinfer.sample_fraction=0.5")
-    p0 = {p.split: p for p in plan_caches(cfg, 1, 0, create=False)}
-    p0b = {p.split: p for p in plan_caches(cfg, 1, 0, create=False)}
-    p1 = {p.split: p for p in plan_caches(cfg, 1, 1, create=False)}
+    p0 = {p.split: p for p in plan_block(cfg, 1, 0).caches}
+    p0b = {p.split: p for p in plan_block(cfg, 1, 0).caches}
+    p1 = {p.split: p for p in plan_block(cfg, 1, 1).caches}
     n = TokenStore(cfg.data.out_dir).num_samples("train")
     assert len(p0["train"].indices) == round(n * 0.5)
     np.testing.assert_array_equal(p0["train"].indices, p0b["train"].indices)
     assert not np.array_equal(p0["train"].indices, p1["train"].indices)
     assert p0["train"].fingerprint != p1["train"].fingerprint
     assert p0["val"].fingerprint == p1["val"].fingerprint  # val is never sampled
-    full = {p.split: p for p in plan_caches(tiny_run(), 1, 0, create=False)}
+    full = {p.split: p for p in plan_block(tiny_run(), 1, 0).caches}
     assert full["train"].fingerprint != p0["train"].fingerprint
 
 
@@ -269,7 +265,7 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
     build_cache(cfg, 1, log=quiet)
     build_cache(cfg, 2, log=quiet)
     store = TokenStore(cfg.data.out_dir)
-    fps = {b: {p.split: p.fingerprint for p in plan_caches(cfg, b, create=False)} for b in (1, 2)}
+    fps = {b: plan_block(cfg, b).fingerprints for b in (1, 2)}
     ids = {}
     for b in (1, 2):
         for split in ("train", "val"):
@@ -285,7 +281,7 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
     assert np.array_equal(ids[1, "train"], ids[2, "train"])  # ... the same at every boundary
     # val: the rows the evaluations read (eval_batches x batch_size), in token order
     assert np.array_equal(ids[1, "val"], np.arange(cfg.train.eval_batches * cfg.train.batch_size))
-    other = {p.split: p.fingerprint for p in plan_caches(tiny_run("train.seed=5"), 1, create=False)}
+    other = plan_block(tiny_run("train.seed=5"), 1).fingerprints
     assert other["train"] != fps[1]["train"] and other["val"] == fps[1]["val"]
 
 
@@ -293,26 +289,26 @@ def _worker_run(cfg, block, first):
     """Every missing shard of boundary `block` written by ONE in-process PrefixWorker call
     per cache (the pipelined path: prefetch + background write), then finalized."""
     from pipelines.prefix_worker import PrefixWorker
-    from preinfer.cache_identity import compute_choice
     from storage.cache import CacheWriter
 
-    choice = compute_choice(cfg)
-    plans = plan_caches(cfg, block)
-    prev = plan_caches(cfg, block - 1, create=False) if first else plans
+    src = open_sources(cfg)
+    plan = plan_block(cfg, block, src=src)
+    work = open_writers(cfg, src, plan, plan.reads, {})  # (cache, its missing shards)
+    prev = plan.reads.source.caches if first else plan.caches
     w = PrefixWorker(
         cfg.to_dict(),
         block,
         first,
-        {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)},
-        choice.compute,
-        choice.round_to,
+        {p.fingerprint: q.fingerprint for p, q in zip(plan.caches, prev, strict=True)},
+        src.compute.compute,
+        src.compute.round_to,
     )
-    for p in plans:
-        out = w({"fingerprint": np.array([p.fingerprint] * len(p.missing)),
-                 "shard": np.array(p.missing)})  # fmt: skip
-        assert list(out["shard"]) == p.missing and (out["write_s"] > 0).all()
+    for p, missing in work:
+        out = w({"fingerprint": np.array([p.fingerprint] * len(missing)),
+                 "shard": np.array(missing)})  # fmt: skip
+        assert list(out["shard"]) == missing and (out["write_s"] > 0).all()
         CacheWriter.open(cfg.cache.root, p.fingerprint).finalize()
-    return {p.split: p.fingerprint for p in plans}
+    return plan.fingerprints
 
 
 @pytest.mark.ray
@@ -344,8 +340,10 @@ def test_worker_call_of_several_shards_equals_ray_build(tiny_run, tmp_path, monk
     with pytest.raises(OSError, match="No space"):
         _worker_run(bad, 1, 0)
     monkeypatch.setattr(CacheWriter, "write_shard", real)
-    train = plan_caches(bad, 1)[0]
-    assert 0 not in train.missing and 1 in train.missing
+    src = open_sources(bad)
+    plan = plan_block(bad, 1, src=src)
+    train, missing = open_writers(bad, src, plan, plan.reads, {})[0]
+    assert train.split == "train" and 0 not in missing and 1 in missing
     assert not list((tmp_path / "bad").rglob("*.partial"))
 
 
@@ -353,21 +351,21 @@ def test_a_visit_caches_exactly_the_rows_it_reads_and_refresh_keeps_them(tiny_ru
     """train.epochs=2 with 6 steps of 8: the round's cache holds the 24 rows the visit reads
     twice (not the whole split), boundary 2 (refreshed) holds the same rows in the same order,
     val holds the rows the evaluations read, and block 0 reads those rows from tokens."""
-    from preinfer.cache_identity import sample_indices, store_budget
+    from preinfer.rotation import sample_indices, store_budget
     from preinfer.visit import Visit, VisitSpec
 
     cfg = tiny_run("train.epochs=2")
     store = TokenStore(cfg.data.out_dir)
-    budget = store_budget(cfg, store)
+    budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
     assert (budget.rows, budget.steps, budget.val_rows) == (24, 6, 16)
     assert store.num_samples("train") > 24 and store.num_samples("val") > 16
     assert budget.passes == 2.0 and "max_steps 6 x batch 8 / epochs 2" in budget.why
-    rows = sample_indices(cfg, budget, "train", 0)
+    rows = sample_indices(budget, "train", 0)
     build_cache(cfg, 1, log=quiet)
     assert refresh_cache(cfg, 2, log=quiet)["action"] == "refreshed"
     ids = {}
     for b in (1, 2):
-        for p in plan_caches(cfg, b, create=False):
+        for p in plan_block(cfg, b).caches:
             c = open_cache(cfg.cache.root, p.fingerprint)
             ids[b, p.split] = c.read_labels(0, c.num_samples)[1].numpy()
     assert np.array_equal(np.sort(ids[1, "train"]), rows)
@@ -376,8 +374,5 @@ def test_a_visit_caches_exactly_the_rows_it_reads_and_refresh_keeps_them(tiny_ru
     v0 = Visit(cfg, VisitSpec(block=0), device=torch.device("cpu"))
     assert np.array_equal(np.sort(v0.batches.rows), rows) and v0.tc.max_steps == 6
     # a budget that is not the old rule's gets its own fingerprint; the old rule keeps its own
-    legacy = {p.split: p.fingerprint for p in plan_caches(tiny_run(), 1, create=False)}
-    assert (
-        legacy["train"]
-        != {p.split: p.fingerprint for p in plan_caches(cfg, 1, create=False)}["train"]
-    )
+    legacy = plan_block(tiny_run(), 1).fingerprints
+    assert legacy["train"] != plan_block(cfg, 1).fingerprints["train"]

@@ -21,9 +21,11 @@ from core.config import ConfigError
 from pipelines.bcd import run_bcd
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_init import init_checkpoint
-from preinfer.guards import DiskSpaceError, check_disk_for_cache
-from preinfer.trainer import TrainConfig, round_blocks
+from preinfer.guards import DiskSpaceError, check_disk_for_rotation
+from preinfer.rotation import round_blocks, store_budget
+from preinfer.trainer import TrainConfig
 from preinfer.visit import VisitHooks
+from storage.tokens import TokenStore
 from tests.pipeline_fixtures import TINY, assert_same_weights, quiet, tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,13 +125,21 @@ def test_disk_guard_counts_every_boundary_of_a_descending_round(tiny_run):
     """Descending keeps boundaries 1..M-1 until their blocks train: M-1 at once, not 2."""
     cfg = tiny_run()
     init_checkpoint(cfg.model, 4, cfg.run.checkpoint, force=True)
-    ascending = check_disk_for_cache(cfg, free_bytes=10**12)
+    hidden = Checkpoint.open(cfg.run.checkpoint).hidden_size
+
+    def rotation(c, free):
+        store = TokenStore(c.data.out_dir)
+        budget = store_budget(c.train, c.preinfer.sample_fraction, store)
+        return check_disk_for_rotation(c.cache, c.train, budget, hidden=hidden, seq=store.seq_len,
+                                       M=4, free_bytes=free)  # fmt: skip
+
+    ascending = rotation(cfg, 10**12)
     per = ascending["per_boundary"]["expected"]
     assert ascending["need"] == 2 * per
     descending = tiny_run("train.order=descending")
-    assert check_disk_for_cache(descending, free_bytes=10**12)["need"] == 3 * per
+    assert rotation(descending, 10**12)["need"] == 3 * per
     with pytest.raises(DiskSpaceError, match="3 boundaries at once"):
-        check_disk_for_cache(descending, free_bytes=3 * per - 1)
+        rotation(descending, 3 * per - 1)
 
 
 def _killed_cli(run_dir: Path, kill_at: str) -> subprocess.CompletedProcess:

@@ -70,6 +70,6 @@ def test_run_all_discovers_the_repo_benchmarks():
     found = {s["name"]: s for s in run_all.discover()}
     assert {"study", "economics", "cache_io", "plan_accuracy"} <= set(found)
     # no main: not benchmarks
-    assert not {"run_all", "harness", "__init__", "study_arms", "study_curves"} & set(found)
+    assert not {"run_all", "harness", "__init__", "arms", "peers_arms"} & set(found)
     assert found["study"]["module"] == "bench.study" and found["study"]["quick"] is True
     assert found["economics"]["quick"] is True

@@ -209,7 +209,7 @@ from tests.pipeline_fixtures import tiny_cfg, quiet
 cfg = tiny_cfg(sys.argv[1], *sys.argv[2:])
 res = build_cache(cfg, 1, log=quiet)
 print("SHARDS", res["shards"])
-res = run_train(cfg, 1, mode="bcd", caches=res["fingerprints"], log=quiet)
+res = run_train(cfg, 1, mode="bcd", log=quiet)
 print("STEPS", res["steps"])
 """
 

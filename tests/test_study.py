@@ -9,15 +9,8 @@ import math
 import pytest
 
 from bench import study
-from bench.study_curves import (
-    cap_steps,
-    first_reach,
-    interleave,
-    multiplier,
-    plateau,
-    select_lr,
-    summarize,
-)
+from bench.arms import Stop
+from bench.harness import first_reach, interleave, multiplier, plateau, select_lr, show, spread
 
 
 def _curve(ppls, every=10, s_per_step=0.5):
@@ -78,7 +71,6 @@ def test_multiplier_arithmetic():
     assert m == {"bf_multiplier": 1.5, "time_ratio": 0.6, "reached": True}
     assert multiplier(None, full_best) == {"bf_multiplier": None, "time_ratio": None,
                                            "reached": False}  # fmt: skip
-    assert cap_steps(full_best, 3.0) == 360 and cap_steps({"steps": 7}, 1.5) == 11
     with pytest.raises(ValueError, match="steps and seconds"):
         multiplier(bcd[0], {"steps": 0, "seconds": 1.0})
 
@@ -109,10 +101,19 @@ def test_select_lr_breaks_ties_and_handles_nothing_reached():
         select_lr({}, "bf")
 
 
-def test_summarize_and_interleave():
-    assert summarize([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3,
-                                                "of": 4}  # fmt: skip
-    assert summarize([None])["median"] is None
+def test_one_summary_rule_counts_a_seed_that_did_not_reach():
+    """#42: the median over every seed, not reached ranked above every value; 'n of N'."""
+    s = spread([3.0, None, 1.0, 2.0])  # ranked 1, 2, 3, not reached: the median is 2.5
+    assert s == {"median": 2.5, "min": 1.0, "max": None, "n": 3, "of": 4,
+                 "values": [3.0, None, 1.0, 2.0]}  # fmt: skip
+    assert spread([1.2, None, None])["median"] is None  # 2 of 3 missed: not reached
+    assert spread([1.0, None, 2.0])["median"] == 2.0 and spread([None])["median"] is None
+    assert spread([0.5, 0.7])["max"] == 0.7 and spread([])["n"] == 0  # timings: plain spread
+    assert show(spread([1.2, None, 1.0])) == "1.20 [1.00, not reached]"
+    assert show(spread([None])) == "not reached" and show(spread([1.234])) == "1.23"
+
+
+def test_interleave():
     assert interleave([1, 2, 3], 1) == [2, 3, 1] and interleave([1, 2, 3], 4) == [2, 3, 1]
     assert interleave([], 2) == []
 
@@ -140,8 +141,13 @@ def test_analyse_compares_best_against_best():
     assert math.isclose(b["time_ratio"]["median"], 0.65)
     table = study.render([{"layout": "llama", "M": 3, "analysis": a}])
     assert "| llama | 3 | bcd | 0.004 (edge) (0.001, 0.004) |" in table
-    assert "1.30 [1.20, 1.40]" in table and "plateau 2/2" in table
+    assert "1.30 [1.20, 1.40]" in table and "plateau 2/2" in table and "2 of 2 reached" in table
     assert "| 332 [306, 357] |" in table  # steps to full's best ppl: 1.3 x 255
+    # at lr 1e-3 one seed of two missed: its median counts it (not reached), not the other's 2.0
+    a = study.analyse(full_runs, {"bcd": {1e-3: bcd_runs["bcd"][1e-3]}})
+    assert a["bcd"]["bf_multiplier"]["median"] is None and a["bcd"]["reached"] == 1
+    table = study.render([{"layout": "llama", "M": 3, "analysis": a}])
+    assert "| not reached [2.00, not reached] |" in table and "| 1 of 2 reached |" in table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,11 +175,10 @@ def test_variants_are_checked():
 def test_an_arm_of_another_seed_trains_from_that_seeds_checkpoint(tmp_path):
     """Seed 1's arm reads the init checkpoint made with model.init_seed=1 (the run's config
     said 0 once, and the rotation refused the checkpoint as made with other settings)."""
-    from bench.study_arms import Arm, Stop, run_arm
-
-    rec = run_arm(study.TINY, tmp_path, Arm("bcd", []), layout="gpt2", M=3, seed=1, lr=1e-2,
-                  stop=Stop(max_visits=1))  # fmt: skip
+    rec = study.run_one(study.TINY, tmp_path, study.Arm("bcd", []), layout="gpt2", M=3, seed=1,
+                        lr=1e-2, stop=Stop(max_visits=1), inline=True)  # fmt: skip
     assert rec["seed"] == 1 and rec["steps"] == study.TINY.steps_per_visit
+    assert rec["final_ppl"] == rec["curve"][-1]["ppl"] and not rec["own_process"]
 
 
 @pytest.mark.slow

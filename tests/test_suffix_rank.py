@@ -15,10 +15,9 @@ from safetensors import safe_open
 
 from core.config import ConfigError
 from pipelines.bcd import run_bcd
-from pipelines.cache_build import build_cache
+from pipelines.cache_build import build_cache, plan_block
 from pipelines.export import run_export
 from preinfer.adapters import forward_blocks, get_adapter
-from preinfer.cache_identity import plan_caches
 from preinfer.checkpoint import Checkpoint
 from preinfer.checkpoint_init import init_checkpoint
 from preinfer.memory import setup_for, trainer_memory
@@ -99,7 +98,16 @@ def test_a_visit_trains_its_suffix_and_leaves_its_prefix_bit_identical(tiny_run,
     assert summary["suffix_params"] > 0
     # the memory planner counts the adapters the visit trained (+ their state, activations)
     sh, part = model_shape(cfg.model), Checkpoint.open(cfg.run.checkpoint).partition
-    setup = setup_for(cfg, sh, target="cpu")
+    setup = setup_for(
+        sh,
+        cfg.train,
+        cfg.cache,
+        cfg.preinfer,
+        target="cpu",
+        seq=cfg.data.seq_len,
+        token_rows=cfg.data.shard_rows,
+        run_precision=cfg.run.precision,
+    )
     est = trainer_memory(sh, part, "bcd", 1, setup)
     assert est["suffix_params"] == summary["suffix_params"]
     off = dataclasses.replace(setup, suffix_rank=0)
@@ -274,8 +282,7 @@ def test_a_rotation_reads_only_current_caches(llama_run, order, seed):
         starts[(v.spec.round, v.K)] = _hash(cfg)
         if v.from_cache:
             ckpt = Checkpoint.open(cfg.run.checkpoint)
-            plans = {p.split: p.fingerprint for p in plan_caches(cfg, v.K, v.spec.round,
-                                                                 create=False)}  # fmt: skip
+            plans = plan_block(cfg, v.K, v.spec.round).fingerprints
             assert (v.spec.cache_train, v.spec.cache_val) == (plans["train"], plans["val"])
             for fp in (v.spec.cache_train, v.spec.cache_val):
                 meta = open_cache(cfg.cache.root, fp).manifest["meta"]

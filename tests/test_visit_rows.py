@@ -20,15 +20,16 @@ from core.config import ConfigError
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import source_rows
 from preinfer.batches import CacheBatches, CacheWindow, TokenBatches
-from preinfer.cache_identity import (
-    CachePlan,
+from preinfer.cache_identity import CachePlan
+from preinfer.config import load_config
+from preinfer.rotation import (
     boundary_rows,
     boundary_visits,
     cache_window,
+    round_blocks,
     visit_budget,
     visit_window,
 )
-from preinfer.config import load_config
 from preinfer.visit import VisitHooks
 from storage.dataset import CacheDataset
 from storage.reader import open_cache
@@ -41,7 +42,8 @@ ROWS = ("train.epochs=1", "train.max_steps=3")
 
 
 def budget(*sets, n_train=1000):
-    return visit_budget(load_config("configs/demo.yaml", list(sets)), n_train, 100)
+    cfg = load_config("configs/demo.yaml", list(sets))
+    return visit_budget(cfg.train, cfg.preinfer.sample_fraction, n_train, 100)
 
 
 def test_cache_visits_sizes_the_rounds_rows_and_the_windows():
@@ -174,24 +176,24 @@ def test_a_boundary_holds_the_windows_of_the_visits_it_serves():
     position of the run, so a resumed round plans the caches it made."""
     cfg = load_config("configs/demo.yaml", ["train.seed=0"])
     M = 4
-    assert [boundary_visits(cfg, M, 0, k) for k in (1, 2, 3)] == [[1, 2, 3], [2, 3], [3]]
+    order = round_blocks(cfg.train, M, 0)
+    assert [boundary_visits(order, k) for k in (1, 2, 3)] == [[1, 2, 3], [2, 3], [3]]
     cfg.train.order = "descending"  # blocks 3 2 1 0: every boundary made at the round's start
-    assert [boundary_visits(cfg, M, 0, k) for k in (1, 2, 3)] == [[0, 1, 2], [0, 1], [0]]
-    assert boundary_visits(cfg, M, 0, 1, position=2) == [0, 1, 2]
+    order = round_blocks(cfg.train, M, 0)
+    assert [boundary_visits(order, k) for k in (1, 2, 3)] == [[0, 1, 2], [0, 1], [0]]
+    assert boundary_visits(order, 1, position=2) == [0, 1, 2]
     cfg.train.order = "random"
-    from preinfer.trainer import round_blocks
-
     for r in range(6):
         order = round_blocks(cfg.train, M, r)
         for q, b in enumerate(order):
             for k in range(1, b + 1):
-                run = boundary_visits(cfg, M, r, k, position=q)
+                run = boundary_visits(order, k, position=q)
                 assert q in run and all(order[p] >= k for p in run)
                 assert all(order[p] < k for p in (run[0] - 1, run[-1] + 1) if 0 <= p < M)
                 if k >= 2:  # a refresh's source serves every visit its target does
-                    assert set(run) <= set(boundary_visits(cfg, M, r, k - 1, position=q))
+                    assert set(run) <= set(boundary_visits(order, k - 1, position=q))
     with pytest.raises(ConfigError, match="trains a block below 2"):
-        boundary_visits(load_config("configs/demo.yaml", []), M, 0, 2, position=1)
+        boundary_visits(round_blocks(load_config("configs/demo.yaml", []).train, M, 0), 2, 1)
     # windows: 3 visits of 40 rows of 100 (capped): the third wraps to rows 0..19
     b = budget("train.max_steps=10", "train.batch_size=4", "train.cache_visits=3", n_train=100)
     held = boundary_rows(b, [1, 2])
@@ -204,7 +206,7 @@ def test_a_boundary_holds_the_windows_of_the_visits_it_serves():
 def test_a_refresh_source_must_hold_the_targets_samples():
     def plan(ids):
         return CachePlan(split="train", fingerprint="f" * 64, indices=np.asarray(ids),
-                         complete=False, missing=[])  # fmt: skip
+                         complete=False)  # fmt: skip
 
     assert source_rows(plan([5, 9, 2]), plan([5, 9, 2])) is None
     assert source_rows(plan([9, 2]), plan([7, 5, 9, 2])).tolist() == [2, 3]

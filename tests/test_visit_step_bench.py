@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench import visit_step
-from bench.peers_data import build_tiny_model, stdlib_pairs
+from bench.peers_arms import build_tiny_model, stdlib_pairs
 
 pytest.importorskip("badam", reason="the badam arm needs the `real` extra")
 
