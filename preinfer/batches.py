@@ -141,7 +141,7 @@ class CacheBatches:
 
 class CacheWindow:
     """Rows [start, start + n) of a Cache, wrapping at its end (a visit's window of its round's
-    rows, cache_identity.visit_window), with the reads CacheDataset makes. Its shards are the
+    rows, rotation.visit_window), with the reads CacheDataset makes. Its shards are the
     cache's shards cut at the window's ends, so a shard read is never more than one of the
     cache's; a read spanning them is joined."""
 
