@@ -195,6 +195,8 @@ class Setup:
     """train.suffix_rank: LoRA adapters on the layers after the active block (bcd modes)."""
     suffix_modules: str = "all"
     """train.suffix_modules: which linears of those layers get one (all, attn, mlp)."""
+    freeze_embed: bool = False
+    """train.freeze=[embed]: the embedding (and a tied head matrix) has no grad or state."""
 
 
 # bytes per logit of one chunk of the fused loss (preinfer.loss): the fp32 logits that become
@@ -276,12 +278,13 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
     active = range(M) if mode == "full" else [block]
     layers = list(range(first, part.num_layers))
     trainable = {j: part.block_of_layer(j) in active for j in layers}
-    embed_tr, head_tr = 0 in active, (M - 1) in active
+    embed_tr, head_tr = 0 in active and not p.freeze_embed, (M - 1) in active
     matrix_tr = (head_tr and not sh.tied) or (sh.tied and embed_tr)
     n_loaded = sum(part.block_params[b] for b in loaded_blocks)
     if loaded_blocks[0] > 0 and sh.tied:
         n_loaded += sh.head_matrix  # the tied matrix, read from block 0's file for the head
     n_active = sum(part.block_params[b] for b in active)
+    n_active -= sh.embed if 0 in active and p.freeze_embed else 0
     W, G = pr.weight * n_loaded, pr.grad * n_active
     opt = (optimizer_state_bytes(p) + pr.master) * n_active
     _, act, grads = _sweep(sh, layers, trainable, head_tr, matrix_tr, embed_tr, p)
@@ -455,4 +458,5 @@ def setup_for(
                  micro_batch=preinfer.micro_batch,
                  loss_chunk=train.loss_chunk, pipelined=pipelined,
                  suffix_rank=train.suffix_rank,
-                 suffix_modules=train.suffix_modules)  # fmt: skip
+                 suffix_modules=train.suffix_modules,
+                 freeze_embed="embed" in train.freeze)  # fmt: skip

@@ -59,3 +59,31 @@ def test_a_frozen_embedding_gets_no_gradient(tiny_run):
     for n in _embed_names(cfg):
         if n in emb:
             assert not emb[n].requires_grad, n
+
+
+def test_the_planner_counts_a_frozen_embedding(tiny_run):
+    """preinfer plan: block 0's visit trains fewer parameters and needs less memory with the
+    embedding frozen; the other blocks' visits are the same."""
+    import dataclasses
+
+    from preinfer.memory import setup_for, trainer_memory
+    from preinfer.model_shape import model_shape
+
+    cfg = tiny_run(*FAST)
+    sh, part = model_shape(cfg.model), Checkpoint.open(cfg.run.checkpoint).partition
+    p = setup_for(
+        sh,
+        cfg.train,
+        cfg.cache,
+        cfg.preinfer,
+        target="cpu",
+        seq=cfg.data.seq_len,
+        token_rows=cfg.data.shard_rows,
+    )
+    frozen = dataclasses.replace(p, freeze_embed=True)
+    a, b = trainer_memory(sh, part, "bcd", 0, p), trainer_memory(sh, part, "bcd", 0, frozen)
+    assert b["peak"] < a["peak"]
+    assert (
+        trainer_memory(sh, part, "bcd", 2, p)["peak"]
+        == trainer_memory(sh, part, "bcd", 2, frozen)["peak"]
+    )
