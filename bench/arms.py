@@ -41,17 +41,18 @@ from pathlib import Path
 import torch
 
 from bench.harness import ROOT, load_average, plateau, quiet
-from pipelines.bcd import load_state, run_bcd
+from pipelines.bcd import run_bcd
 from pipelines.eval import run_eval
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
-from preinfer.loss import evaluate_tokens
-from preinfer.rotation import store_budget
-from preinfer.trainer import current_memory_mb, peak_memory_mb, reset_peak_memory
-from preinfer.visit import VisitHooks
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import forward_blocks
+from preinfer.model.loss import evaluate_tokens
+from preinfer.run.config import load_config
+from preinfer.run.state import load_run_state
+from preinfer.run.visit import VisitHooks
+from preinfer.runtime.memstats import current_memory_mb, peak_memory_mb, reset_peak_memory
+from preinfer.schedule.rotation import store_budget
 from storage.tokens import TokenStore
 
 
@@ -296,7 +297,7 @@ def preinfer_arm(spec: dict, clock: Clock, mem: PeakMemory, evaluate) -> dict:
     with contextlib.suppress(_Stop):
         run_bcd(cfg, mode=mode, log=quiet, hooks=VisitHooks(on_eval=on_eval), on_visit=on_visit)
     seconds = clock.now()
-    events = [e for e in load_state(cfg).get("events", []) if e.get("action")]
+    events = [e for e in load_run_state(cfg.run.dir).get("events", []) if e.get("action")]
     builds = [e for e in events if e.get("executor")]
     cache_s = sum(e["seconds"] for e in events)
     prev = [0] + [c["steps"] for c in curve]  # (block, steps) of each visit, from the curve

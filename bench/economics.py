@@ -17,7 +17,7 @@ B-F studies of one option against another, to the plateau and lr-swept, are
 
 Per arm: whole-val ppl against wall-clock and against FLOPs, time to full's final whole-val
 ppl, the cache share of bcd's time, the fixed part of each build, and the cost model's
-predicted time (preinfer.costmodel FLOPs x the seconds per FLOP of this machine's full arm)
+predicted time (preinfer.plan.costmodel FLOPs x the seconds per FLOP of this machine's full arm)
 beside the measured one. Medians over all seeds, a seed that did not reach full's ppl counted
 as not reached (harness.spread), with "n of N reached". The model is chosen so the layers outweigh the
 LM head (H=256, 6 layers, V=2048: the head is ~10% of a full step's FLOPs); at the demo's
@@ -47,9 +47,9 @@ from bench.harness import (
     write_results,
 )
 from bench.study import LAYERS_HEAVY, LAYOUTS, TINY, Arm, Scale, init_dir, run_one
-from preinfer.checkpoint import Checkpoint
-from preinfer.costmodel import Flops, run_flops
-from preinfer.model_shape import model_shape
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.shape import model_shape
+from preinfer.plan.costmodel import Flops, run_flops
 
 # full_cap: full's own step budget (no patience: it runs them all); lrs[0]: every arm's lr;
 # val_batches=0: the whole val split

@@ -58,7 +58,7 @@ def step_parity(out: Path) -> dict:
 
 def step_demo(out: Path) -> dict:
     from pipelines.demo import run_demo
-    from preinfer.config import load_config
+    from preinfer.run.config import load_config
 
     cfg = load_config(ROOT / "configs/demo.yaml", [f"run.dir={out / 'demo'}", "run.device=cuda",
                                                    "run.precision=bf16"])  # fmt: skip
@@ -75,12 +75,13 @@ def step_memory(out: Path) -> dict:
 
     from bench.arms import PeakMemory
     from pipelines.cache_build import build_cache, plan_block
-    from pipelines.train import check_memory
-    from preinfer.checkpoint import Checkpoint
-    from preinfer.config import load_config
-    from preinfer.memory import preinfer_memory, setup_for
-    from preinfer.model_shape import model_shape
-    from preinfer.visit import Visit, VisitSpec
+    from preinfer.checkpoint.store import Checkpoint
+    from preinfer.model.shape import model_shape
+    from preinfer.plan.memory import preinfer_memory, setup_for
+    from preinfer.run.config import load_config
+    from preinfer.run.preflight import check_memory
+    from preinfer.run.visit import Visit, VisitSpec
+    from preinfer.schedule.rotation import store_budget
     from storage.tokens import TokenStore
 
     cfg = load_config(ROOT / "configs/demo.yaml", [f"run.dir={out / 'demo'}", "run.device=cuda",
@@ -102,7 +103,8 @@ def step_memory(out: Path) -> dict:
     Visit(cfg, spec, device=torch.device("cuda")).run(log=quiet)
     res["trainer_measured"] = (mem.stop() - mem.baseline) * 2**20
     store = TokenStore(cfg.data.out_dir)
-    worst = check_memory(cfg, ckpt, store, mode="bcd", block=M - 1, log=quiet)
+    budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
+    worst = check_memory(cfg, ckpt, budget, store.seq_len, mode="bcd", block=M - 1, log=quiet)
     res["trainer_estimate"] = worst["peak"]
     res["ok"] = True
     for k in ("build", "trainer"):

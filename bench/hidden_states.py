@@ -42,9 +42,9 @@ def generate(
     """Path of the .npy of `model`'s hidden states (computed unless already there)."""
     from pipelines.init import run_init
     from pipelines.tokenize import run_tokenize
-    from preinfer.adapters import forward_blocks
-    from preinfer.checkpoint import Checkpoint
-    from preinfer.config import load_config
+    from preinfer.checkpoint.store import Checkpoint
+    from preinfer.model.adapters import forward_blocks
+    from preinfer.run.config import load_config
 
     out = Path(out)
     tag = f"{model}_d{docs}_s{seq_len}_n{samples}_k{'mid' if boundary is None else boundary}"

@@ -30,10 +30,10 @@ response tokens) and one init checkpoint serve every arm; each arm runs in its o
   lora           PyPI peft, r 16, alpha 32, "all-linear"
 
 Every arm reads the same batches (the HF arms those bcd-recompute reads for visit (r, k):
-preinfer.batches.TokenBatches over the visit's rows), the same steps, batch, weight decay
+preinfer.train.batches.TokenBatches over the visit's rows), the same steps, batch, weight decay
 1e-5, clipping 1.0, one warmup + cosine over the run, fp32 (bf16 matmuls are ~50x slower on an
 AVX2 CPU), the LM head on response positions only. Measured after every visit: val loss (the
-first eval_batches x batch val rows, preinfer.loss.evaluate_tokens; the bcd arms' by `preinfer
+first eval_batches x batch val rows, preinfer.model.loss.evaluate_tokens; the bcd arms' by `preinfer
 eval` of their checkpoint, in the parent while the arm waits) against training seconds (less
 every evaluation), and each arm's peak RSS (VmHWM polled every 10 ms, paused around the
 bench's evaluations). The full form sweeps each arm's lr on the first seed, then runs the

@@ -22,13 +22,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from bench.arms import Clock, PeakMemory, eval_run, evaluating, prepare
 from bench.harness import ROOT
-from preinfer.batches import TokenBatches, endless
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
-from preinfer.loss import evaluate_tokens, lm_loss
-from preinfer.rotation import store_budget
-from preinfer.trainer import TrainConfig, lr_at
-from preinfer.visit_plan import plan_visit
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.loss import evaluate_tokens, lm_loss
+from preinfer.run.config import load_config
+from preinfer.schedule.rotation import store_budget
+from preinfer.schedule.visit_plan import plan_visit
+from preinfer.train.batches import TokenBatches, endless
+from preinfer.train.config import TrainConfig
+from preinfer.train.step import lr_at
 from storage.tokens import IGNORE, TokenStore
 
 FINETUNE = ROOT / "configs" / "finetune.yaml"
@@ -248,7 +249,7 @@ def missing_parts(model: str, arms: list[str]) -> str | None:
 ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
 BCD_ARMS = ("bcd", "bcd-recompute")
 WEIGHT_DECAY, GRAD_CLIP, BETAS = 1e-5, 1.0, (0.9, 0.999)  # preinfer's AdamW defaults, every arm
-# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.trainer.build_optimizer)
+# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.train.step.build_optimizer)
 ADAMW = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "fused": True}
 LORA_R, LORA_ALPHA = 16, 32
 
@@ -263,7 +264,7 @@ def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def visit_batches(cfg, store: TokenStore, budget, r: int, k: int, M: int) -> TokenBatches:
     """The batches of the rotation's visit (round r, block k) as bcd-recompute reads them: the
-    visit's rows (preinfer.visit_plan.VisitPlan.train_rows: the round's sampled rows in cache
+    visit's rows (preinfer.schedule.visit_plan.VisitPlan.train_rows: the round's sampled rows in cache
     row order, the window of the visit's place in its round), shuffled with the visit's seed."""
     plan = plan_visit(cfg.train, budget, M, r, k, mode="bcd-recompute")
     return TokenBatches(store, "train", indices=plan.train_rows(), batch_size=cfg.train.batch_size,
@@ -287,7 +288,7 @@ def badam(model, lr: float, prefixes: list[list[str]] | None):
 
 def layer_prefixes(blocks: list[tuple[int, int]]) -> list[list[str]]:
     """preinfer's blocks as BAdam prefix lists of a LLaMA-layout HF model: the embedding joins
-    block 0, the final norm (and an untied head) the last block, as preinfer.partition does.
+    block 0, the final norm (and an untied head) the last block, as preinfer.model.partition does.
     BAdam matches a prefix as a substring: "model.layers.1." does not match layer 10."""
     out = [[f"model.layers.{i}." for i in range(a, b)] for a, b in blocks]
     out[0].insert(0, "model.embed_tokens.")

@@ -1,8 +1,8 @@
 """Planner accuracy: measured peak memory of the real trainer and pre-inference worker on CPU
-against preinfer.memory's estimate, as a markdown table.
+against preinfer.plan.memory's estimate, as a markdown table.
 
     python -m bench.plan_accuracy [--configs demo gpt2-small] [--json out.json]
-    python -m bench.plan_accuracy --calibrate   # prints the CPU constants of preinfer.memory
+    python -m bench.plan_accuracy --calibrate   # prints the CPU constants of preinfer.plan.memory
 
 Each arm runs in a fresh process (bench/arms.py's in_child), --repeats times (default 3; its
 row is the median): it imports everything first (torch._dynamo, which the first optimizer step
@@ -26,7 +26,7 @@ gpt2-small runs at batch 4 x 256 tokens with 32 MiB shards so an arm takes about
 CPUs; the demo runs as configured with its real corpus sizes (11773 train / 1142 val samples).
 Peak RSS varies run to run (which of glibc's per-thread malloc arenas holds a freed buffer):
 within ~10% for most arms, up to 32% for gpt2-small's pre-inference workers, hence the median
-(preinfer/hostmem.py; MALLOC_ARENA_MAX in the environment reaches the children).
+(preinfer/runtime/hostmem.py; MALLOC_ARENA_MAX in the environment reaches the children).
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ def child(spec: dict, _ask=None) -> dict:
     from pipelines.cache_build import plan_block
     from pipelines.prefix_worker import PrefixWorker
     from pipelines.train import visit_spec
-    from preinfer.cache_identity import compute_choice
-    from preinfer.config import config_from_dict
-    from preinfer.device import resolve_device
-    from preinfer.modeling import build_model
-    from preinfer.visit import Visit, VisitHooks
+    from preinfer.model.modeling import build_model
+    from preinfer.run.config import config_from_dict
+    from preinfer.run.visit import Visit, VisitHooks
+    from preinfer.runtime.device import resolve_device
+    from preinfer.schedule.cache_identity import compute_choice
     from storage import reader  # noqa: F401
     from storage.cache import CacheWriter
 
@@ -139,7 +139,7 @@ def _run_child(cfg_path: Path, arm: dict, repeats: int = 1) -> dict:
 
     from bench.arms import in_child
     from pipelines.cache_build import actor_env
-    from preinfer.config import config_from_dict
+    from preinfer.run.config import config_from_dict
 
     arm_cfg = config_from_dict(json.loads(cfg_path.read_text()))
     env = {**os.environ, **(actor_env(arm_cfg) if arm["arm"] == "preinfer" else {})}
@@ -170,8 +170,8 @@ def _tokens(cfg, n_train: int, n_val: int) -> None:
 def _setup(cfg, sh, n_tr: int, n_val: int):
     """The planner's Setup for an arm's config, pipelined as the child's worker calls are."""
     from pipelines.cache_build import shards_per_task
-    from preinfer import memory as plan
-    from preinfer.rotation import visit_budget
+    from preinfer.plan import memory as plan
+    from preinfer.schedule.rotation import visit_budget
     from storage.layout import rows_per_shard
 
     rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
@@ -185,8 +185,8 @@ def _setup(cfg, sh, n_tr: int, n_val: int):
 
 
 def _estimate(sh, part, p, label: str) -> dict:
-    """preinfer.memory's estimate for the arm named `label` (as measure() names them)."""
-    from preinfer import memory as plan
+    """preinfer.plan.memory's estimate for the arm named `label` (as measure() names them)."""
+    from preinfer.plan import memory as plan
 
     k = 0 if label.endswith("full") else int(label.split()[-1])
     if label.startswith("pre-inference"):
@@ -195,11 +195,11 @@ def _estimate(sh, part, p, label: str) -> dict:
 
 
 def rescore(rows: list[dict]) -> list[dict]:
-    """The same measured rows with estimates from preinfer.memory as it is now (after
+    """The same measured rows with estimates from preinfer.plan.memory as it is now (after
     recalibrating its constants); shapes and partitions are arithmetic, nothing runs."""
-    from preinfer.config import load_config
-    from preinfer.model_shape import model_shape
-    from preinfer.partition import partition_layers
+    from preinfer.model.partition import partition_layers
+    from preinfer.model.shape import model_shape
+    from preinfer.run.config import load_config
 
     out = []
     for r in rows:
@@ -222,9 +222,9 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
     median measurement."""
     from pipelines.cache_build import create_writers, plan_block
     from pipelines.init import run_init
-    from preinfer.checkpoint import Checkpoint
-    from preinfer.config import load_config
-    from preinfer.model_shape import model_shape
+    from preinfer.checkpoint.store import Checkpoint
+    from preinfer.model.shape import model_shape
+    from preinfer.run.config import load_config
     from storage.cache import CacheWriter
 
     path, over, n_tr, n_val = SETS[name]
@@ -294,14 +294,14 @@ def _line(xs, ys) -> tuple[float, float]:
 
 
 def suggest(rows: list[dict]) -> str:
-    """The constants of preinfer.memory these measurements imply (paste them in by hand):
+    """The constants of preinfer.plan.memory these measurements imply (paste them in by hand):
     RUNTIME from the minimal model (a refresh's from llama-small's refresh arms); then, on
     llama-small at two shard sizes, CPU_ALLOC from the token-fed trainer arms, HOST_IO
     cache_read from the cache-fed ones, and CPU_INFER and HOST_IO cache_write from the compute
     and encode phases of the pre-inference builds."""
     from statistics import mean
 
-    from preinfer.memory import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
+    from preinfer.plan.memory import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
 
     def path(r):
         if "pre-inference" in r["arm"]:
@@ -415,7 +415,7 @@ def main(argv=None) -> dict | None:
     import torch
 
     from pipelines.cache_build import actor_env
-    from preinfer.config import load_config
+    from preinfer.run.config import load_config
 
     env = actor_env(load_config(None)) or "glibc defaults"
     print(f"\n(peak RSS growth over the post-import baseline, CPU, torch {torch.__version__}, "

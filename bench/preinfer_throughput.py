@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.preinfer_throughput --arms refresh
 
 The reference holds still: the bare forward computes exactly what the build computes. It runs
-`preinfer.prefix.forward_prefix` (the build's own function: same compute dtype, same rounding
+`preinfer.model.prefix.forward_prefix` (the build's own function: same compute dtype, same rounding
 at block boundaries) over the build's own input rows (read from the caches the build plans, in
 row order), cut into the build's micro-batches (per shard, so a shard's last micro-batch is as
 short as the build's), on the same threads (`pin_threads`, as the worker pins them). Each arm
@@ -53,11 +53,11 @@ from pipelines.cache_build import build_cache, create_writers, plan_block, refre
 from pipelines.init import run_init
 from pipelines.ray_env import ensure_ray
 from pipelines.tokenize import run_tokenize
-from preinfer.cache_identity import compute_choice
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
-from preinfer.device import pin_threads, resolve_device, torch_dtype
-from preinfer.prefix import forward_prefix
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.prefix import forward_prefix
+from preinfer.run.config import load_config
+from preinfer.runtime.device import pin_threads, resolve_device, torch_dtype
+from preinfer.schedule.cache_identity import compute_choice
 from storage.cache import CacheWriter
 from storage.layout import remove_cache
 from storage.tokens import TokenStore

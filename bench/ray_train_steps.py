@@ -30,7 +30,7 @@ from pipelines.cache_build import build_cache
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
 from pipelines.train import run_train
-from preinfer.config import load_config
+from preinfer.run.config import load_config
 
 
 def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float, float]:

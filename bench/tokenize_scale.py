@@ -69,7 +69,7 @@ def write_corpus(root: Path, tokens: int, *, doc_tokens: int, file_tokens: int,
 
 def train_tokenizer(path: Path) -> float:
     """A BPE trained on a ~200k-token sample, saved to `path`; returns tokens per word."""
-    from preinfer.tokenization import train_bpe
+    from preinfer.data.tokenization import train_bpe
 
     rng = np.random.default_rng(99)
     words = _words(np.random.default_rng(1234))
@@ -83,7 +83,7 @@ def train_tokenizer(path: Path) -> float:
 def child(spec: dict, _ask=None) -> dict:
     """One size's run_tokenize in this (fresh) process: tokens, seconds, peak RSS."""
     from pipelines.tokenize import run_tokenize
-    from preinfer.config import load_config
+    from preinfer.run.config import load_config
 
     cfg = load_config("configs/demo.yaml", [
         f"run.dir={spec['run_dir']}", f"data.source={spec['corpus']}",
@@ -100,7 +100,7 @@ def child(spec: dict, _ask=None) -> dict:
 
 
 def long_doc_pack(n: int, seq_len: int) -> float:
-    from preinfer.packing import pack
+    from preinfer.data.packing import pack
 
     ids = np.random.default_rng(0).integers(1, 4096, n).tolist()
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@
         [--block 1] [--repeats 5] [--steps 3] [--quick]
 
 For one block of the config's model (block 0 from token ids, else from a (B, S, H) hidden
-input as a cache gives it), the same optimizer steps (preinfer.trainer.train_step: the fused
+input as a cache gives it), the same optimizer steps (preinfer.train.step.train_step: the fused
 LM head + loss, AdamW, grad clip) under run.precision=fp32 and =bf16, the arms interleaved
 (fp32, bf16, fp32, ...) after a warm-up step each; median and spread of the per-step seconds,
 tokens/s, the speed-up, the load average, and what run.precision=auto resolves to here.
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.config import load_config
-from preinfer.device import cpu_native_bf16, resolve_device, training_precision
-from preinfer.loss import mode_loss
-from preinfer.partition import trainable_parameters
-from preinfer.trainer import build_optimizer, train_step
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.model.loss import mode_loss
+from preinfer.model.partition import trainable_parameters
+from preinfer.run.config import load_config
+from preinfer.runtime.device import cpu_native_bf16, resolve_device, training_precision
+from preinfer.train.step import build_optimizer, train_step
 
 ARMS = ("fp32", "bf16")
 

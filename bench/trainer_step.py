@@ -29,15 +29,15 @@ import torch
 
 from bench.arms import PeakMemory, in_child
 from bench.harness import headline_table
-from preinfer.adapters import forward_blocks
-from preinfer.batches import CacheBatches
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.config import load_config
-from preinfer.device import resolve_device
-from preinfer.loss import blocks_loss, mode_loss
-from preinfer.partition import trainable_parameters
-from preinfer.trainer import build_optimizer, train_step
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import forward_blocks
+from preinfer.model.loss import blocks_loss, mode_loss
+from preinfer.model.partition import trainable_parameters
+from preinfer.run.config import load_config
+from preinfer.runtime.device import resolve_device
+from preinfer.train.batches import CacheBatches
+from preinfer.train.step import build_optimizer, train_step
 
 
 def setup(cfg, work: Path):
@@ -95,7 +95,7 @@ class Arm:
         self.ids = torch.randint(0, ckpt.vocab_size, (B, cfg.data.seq_len + 1), generator=g)
         self.it, self.step_i = None, 0
 
-    def loss(self, x, labels):  # the trainer's own (preinfer.visit.Visit.loss)
+    def loss(self, x, labels):  # the trainer's own (preinfer.run.visit.Visit.loss)
         if self.name == "bcd-recompute" and self.block > 0:  # the frozen prefix, without grad
             with torch.no_grad():
                 x = forward_blocks(self.adapter, self.part, x, 0, self.block)
@@ -152,7 +152,7 @@ def warm_up_runtime(cfg, ckpt, work: Path) -> None:
     (transformers imports them lazily, ~150 MB of RSS: built here on the meta device) and the
     cache reader's libraries (pyarrow's parquet reader and numpy bridge, which imports pandas,
     ~50 MB: one batch read from a separate 2-sample cache)."""
-    from preinfer.modeling import build_model
+    from preinfer.model.modeling import build_model
 
     lin = torch.nn.Linear(64, 64)
     lin(torch.randn(8, 64)).sum().backward()

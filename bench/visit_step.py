@@ -5,7 +5,7 @@
 
 Both arms train the same parameters of the same weights on the same batch, fp32, on the same
 threads, in one process, interleaved (A B / B A), medians with min..max:
-- `preinfer`: the visit's own step (blocks > 0: the frozen prefix first, without grad) (`preinfer.trainer.train_step` over `mode_loss`, the model
+- `preinfer`: the visit's own step (blocks > 0: the frozen prefix first, without grad) (`preinfer.train.step.train_step` over `mode_loss`, the model
   as `Checkpoint.load` builds it, the trainable set `freeze_except` gives, preinfer's AdamW),
   with the config's fused chunked loss (train.loss_chunk);
 - `preinfer, unfused loss`: the same with train.loss_chunk=0 (the whole batch's logits);
@@ -37,12 +37,12 @@ from bench.harness import (
     write_results,
 )
 from bench.peers_arms import GRAD_CLIP, INSTALL, badam, layer_prefixes, response_loss
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.config import load_config
-from preinfer.loss import mode_loss
-from preinfer.partition import freeze_except
-from preinfer.trainer import build_optimizer
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.model.adapters import forward_blocks
+from preinfer.model.loss import mode_loss
+from preinfer.model.partition import freeze_except
+from preinfer.run.config import load_config
+from preinfer.train.step import build_optimizer
 
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 

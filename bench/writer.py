@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from bench.harness import headline_table, load_average, results_path, show, spread, write_results
-from preinfer.costmodel import writer_key
+from preinfer.plan.costmodel import writer_key
 from storage import fs
 from storage.cache import CacheWriter
 from storage.config import CacheConfig, StorageConfig
@@ -48,7 +48,7 @@ from storage.shard_codec import set_codec_threads
 
 GPU_BYTES_PER_TOKEN = 4096 * 2  # 7B model, H=4096, bf16
 GPU_TOKENS_PER_S = (10_000, 50_000)
-CODECS = {  # writer_key (preinfer.costmodel's names) -> CacheConfig fields
+CODECS = {  # writer_key (preinfer.plan.costmodel's names) -> CacheConfig fields
     writer_key(c["codec"], c.get("level", 3), c["shuffle"]): c
     for c in (
         {"codec": "none", "shuffle": "none"},

@@ -7,7 +7,7 @@ cache is dropped once boundary K exists unless cache.keep. `<run.dir>/state.json
 finished visits, so a killed run resumes at the right block (and, through the visit's own
 state file, at the right step). It also records the token store the rotation started on: a
 re-tokenize since (other corpus, tokenizer, vocab) is refused, not trained on. One run per
-run.dir: the rotation holds `<run.dir>/.lock` (preinfer/run_lock.py) throughout.
+run.dir: the rotation holds `<run.dir>/.lock` (preinfer/run/lock.py) throughout.
 
 train.order=random trains a permutation per round drawn from (train.seed, round) and recorded
 in state.json ("block_orders"); each visit makes its boundary current as ascending does, and
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,44 +39,38 @@ from pipelines.cache_build import (
     refresh_allowed,
     refresh_boundary,
 )
-from pipelines.train import check_memory, run_train
-from preinfer.cache_identity import BoundaryPlan, Sources
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import CheckpointError
-from preinfer.config import Config
-from preinfer.guards import (
+from pipelines.train import run_train
+from preinfer.checkpoint.format import CheckpointError
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.plan.guards import (
     check_disk_for_rotation,
     check_same_tokens,
     check_vocab,
     token_record,
 )
-from preinfer.metrics import append_metrics, last_visit_summary
-from preinfer.provenance import check_settings
-from preinfer.rotation import round_blocks, store_budget
-from preinfer.run_lock import run_lock
-from preinfer.run_state import (
+from preinfer.run.config import Config
+from preinfer.run.lock import run_lock
+from preinfer.run.preflight import check_memory
+from preinfer.run.provenance import check_settings
+from preinfer.run.state import (
     check_run,
+    checkpoint_hash,
     checkpoint_record,
-    load_run_state,
+    restore_if_untrained,
     save_run_state,
+    snapshot_records,
     state_path,
 )
-from preinfer.trainer import TrainConfig
-from preinfer.visit import TrainingDiverged, VisitHooks, finish_committed
-from preinfer.visit_plan import VisitPlan, plan_visit
+from preinfer.run.visit import TrainingDiverged, VisitHooks, finish_committed
+from preinfer.runtime.metrics import append_metrics, last_visit_summary
+from preinfer.schedule.cache_identity import BoundaryPlan, Sources
+from preinfer.schedule.rotation import round_orders, store_budget
+from preinfer.schedule.visit_plan import VisitPlan, plan_visit
 from storage import fs
-from storage.atomic import dir_bytes, write_bytes, write_json
+from storage.atomic import dir_bytes, write_json
 from storage.layout import CacheError, check_fingerprint, is_complete
 from storage.lease import describe, remove_unless_used
 from storage.tokens import TokenStore, TokenStoreError
-
-
-def load_state(cfg: Config) -> dict:
-    return load_run_state(cfg.run.dir)
-
-
-def save_state(cfg: Config, state: dict) -> None:
-    save_run_state(cfg.run.dir, state)
 
 
 def _event(cfg: Config, state: dict, **rec) -> None:
@@ -177,53 +170,17 @@ def run_bcd(
     on_visit(round, block, summary): after each visit is recorded (a benchmark's whole-val
     evaluation, say; its time is the caller's to count)."""
     with run_lock(cfg.run.dir, f"bcd --mode {mode or cfg.train.mode}", log=log):
-        before = _snapshot(cfg)
+        before = snapshot_records(cfg.run.dir, cfg.run.checkpoint)
         try:
             return _rotate(cfg, mode or cfg.train.mode, log, hooks, on_visit)
         except REFUSALS as e:
             if not isinstance(e, TrainingDiverged):  # that one trained: its records stay
-                _undo_if_untrained(cfg, before)
+                restore_if_untrained(cfg.run.dir, cfg.run.checkpoint, before)
             raise
 
 
 # a user's mistake found by a check: the run's records are put back as they were
 REFUSALS = (ConfigError, TokenStoreError, CheckpointError, CacheError)
-_RECORDS = ("state.json", "config.json")
-
-
-def _snapshot(cfg: Config) -> dict:
-    run = Path(cfg.run.dir)
-    snap = {n: (run / n).read_bytes() if (run / n).is_file() else None for n in _RECORDS}
-    metrics = run / "metrics.jsonl"
-    snap["metrics"] = metrics.stat().st_size if metrics.is_file() else None
-    try:
-        snap["checkpoint"] = ckpt_hash(cfg)
-    except (CheckpointError, OSError):
-        snap["checkpoint"] = None
-    return snap
-
-
-def _undo_if_untrained(cfg: Config, snap: dict) -> None:
-    """A refusal after the run's records were written (a visit's own checks, say): when no
-    visit committed meanwhile, put state.json, config.json and metrics.jsonl back as they
-    were, so the refused command leaves the run.dir as it found it. Caches it built stay (they
-    are addressed by content: the corrected rerun reuses them)."""
-    run = Path(cfg.run.dir)
-    try:
-        if ckpt_hash(cfg) != snap["checkpoint"]:
-            return  # a visit committed: its record must stay
-    except (CheckpointError, OSError):
-        return
-    for n in _RECORDS:
-        if snap[n] is None:
-            (run / n).unlink(missing_ok=True)
-        else:
-            write_bytes(run / n, snap[n])
-    metrics = run / "metrics.jsonl"
-    if snap["metrics"] is None:
-        metrics.unlink(missing_ok=True)
-    elif metrics.is_file():
-        os.truncate(metrics, snap["metrics"])
 
 
 def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
@@ -243,7 +200,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     else:  # the rotation starts (or a state.json from before the record): tokens from now on
         state["tokens"] = token_record(store)
     M = ckpt.num_blocks
-    orders = _round_orders(cfg.train, state, mode, M, where)
+    orders = round_orders(cfg.train, state, mode, M, where)
     budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
     if cfg.train.batch_size > budget.n_train:
         raise ConfigError(
@@ -260,7 +217,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
         state["order"], state["schedule"] = cfg.train.order, cfg.train.schedule
         state["cache_visits"] = cfg.train.cache_visits
     state.setdefault("checkpoint", checkpoint_record(ckpt))
-    save_state(cfg, state)
+    save_run_state(cfg.run.dir, state)
     # the resolved config of this run (storage credentials masked)
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
     check_memory(cfg, ckpt, budget, store.seq_len, mode=mode, log=log)
@@ -282,21 +239,29 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             results.append(state["visits"][key])
             continue
         pending = state.get("pending")
-        if pending and pending["key"] == key and pending["start_hash"] != ckpt_hash(cfg):
+        if (
+            pending
+            and pending["key"] == key
+            and pending["start_hash"] != checkpoint_hash(cfg.run.checkpoint)
+        ):
             # killed after the visit committed its block but before state.json said so
             finish_committed(cfg, r, k, mode)
             state["visits"][key] = {**last_visit_summary(cfg), "cache": pending["cache"]}
             state["pending"] = None
             state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
-            save_state(cfg, state)
+            save_run_state(cfg.run.dir, state)
             results.append(state["visits"][key])
             if keeping:
                 _release(cfg, state, ready, plan_visit(cfg.train, budget, M, r, k), log)
             continue
         if mode == "full":  # as many optimizer steps as the whole rotation, over every train row
             cfg_full = _with_steps(cfg, budget.steps * cfg.train.rounds * M)
-            state["pending"] = {"key": key, "start_hash": ckpt_hash(cfg), "cache": "tokens"}
-            save_state(cfg, state)
+            state["pending"] = {
+                "key": key,
+                "start_hash": checkpoint_hash(cfg.run.checkpoint),
+                "cache": "tokens",
+            }
+            save_run_state(cfg.run.dir, state)
             summary = run_train(cfg_full, 0, r, mode="full", log=log, memory_check=False,
                                 hooks=hooks)  # fmt: skip
             action = "tokens"
@@ -304,15 +269,19 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             src = open_sources(cfg) if mode == "bcd" and k > 0 else None
             plan = plan_visit(cfg.train, budget, M, r, k, mode=mode, sources=src)
             action = _make_current(cfg, state, src, plan, ready, log)
-            state["pending"] = {"key": key, "start_hash": ckpt_hash(cfg), "cache": action}
-            save_state(cfg, state)
+            state["pending"] = {
+                "key": key,
+                "start_hash": checkpoint_hash(cfg.run.checkpoint),
+                "cache": action,
+            }
+            save_run_state(cfg.run.dir, state)
             summary = run_train(cfg, k, r, mode=mode, log=log, memory_check=False, plan=plan,
                                 hooks=hooks)  # fmt: skip
         summary = {**summary, "cache": action}
         state["visits"][key] = summary
         state["pending"] = None
         state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
-        save_state(cfg, state)
+        save_run_state(cfg.run.dir, state)
         results.append(summary)
         if keeping:
             _release(cfg, state, ready, plan, log)
@@ -324,7 +293,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             f"val ppl {_ppl(summary.get('val_loss')):.1f}"
         )
     state["caches_in_use"] = [] if mode != "bcd" else state["caches_in_use"]
-    save_state(cfg, state)
+    save_run_state(cfg.run.dir, state)
     return {"mode": mode, "visits": results}
 
 
@@ -346,7 +315,9 @@ def _make_current(
     for bp in plan.makes:
         made[bp.boundary] = ensure_cache(cfg, state, src, plan, bp, log=log)
         state["caches_in_use"] = _fingerprints(made)
-        save_state(cfg, state)  # each cache made is recorded (to be dropped later) at once
+        save_run_state(
+            cfg.run.dir, state
+        )  # each cache made is recorded (to be dropped later) at once
     # only now: a boundary beyond one made here that a killed setup completed survives until
     # it is reused
     kept = {j: made[j] for j in (*plan.keeps, k)}
@@ -354,7 +325,7 @@ def _make_current(
         ready[r] = kept
     state["caches_in_use"] = _fingerprints(kept)
     drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
-    save_state(cfg, state)
+    save_run_state(cfg.run.dir, state)
     return made[k][0]
 
 
@@ -368,47 +339,11 @@ def _release(cfg: Config, state: dict, ready: dict, plan: VisitPlan, log) -> Non
     ready[r] = {j: v for j, v in ready.get(r, {}).items() if j in plan.keeps}
     state["caches_in_use"] = _fingerprints(ready[r])
     drop_stale_caches(cfg, state, set(state["caches_in_use"]), log=log)
-    save_state(cfg, state)
-
-
-def _round_orders(train: TrainConfig, state: dict, mode: str, M: int, where: Path) -> list:
-    """Every round's block order (train.order), as state.json (`where`) records the rotation:
-    a resumed one replays its own. Refused: a rotation begun in another train.order,
-    train.schedule or train.cache_visits (its visits' rows; a state.json from before they were
-    recorded: ascending, visit, 1), or whose config draws another order (train.seed changed
-    under train.order=random). full trains all blocks at once over its own steps: none."""
-    if mode == "full":
-        return []
-    started = bool(state["visits"] or state.get("pending"))
-    for key, old in (("order", "ascending"), ("schedule", "visit"), ("cache_visits", 1.0)):
-        was, now = state.get(key, old if started else None), getattr(train, key)
-        if was is not None and was != now:
-            raise ConfigError(
-                f"{where} belongs to a rotation with train.{key}={was}; rerun with "
-                f"train.{key}={was} to go on with it, or use another run.dir for train.{key}={now}"
-            )
-    recorded = state.setdefault("block_orders", {})
-    orders = [round_blocks(train, M, r) for r in range(train.rounds)]
-    for r, order in enumerate(orders):
-        was = recorded.get(str(r))
-        if was is not None and was != order:
-            raise ConfigError(
-                f"{where} trained round {r} in block order {was}, but this config draws {order} "
-                f"(train.order={train.order}, train.seed={train.seed}); rerun with the "
-                "train.seed the rotation started with, or use another run.dir"
-            )
-        recorded[str(r)] = order
-    return orders
+    save_run_state(cfg.run.dir, state)
 
 
 def _fingerprints(caches: dict[int, tuple[str, dict[str, str]]]) -> list[str]:
     return sorted({fp for _, fps in caches.values() for fp in fps.values()})
-
-
-def ckpt_hash(cfg: Config) -> str:
-    """Content hash of the whole checkpoint as it is now."""
-    ckpt = Checkpoint.open(cfg.run.checkpoint)
-    return ckpt.prefix_hash(ckpt.num_blocks)
 
 
 def _with_steps(cfg: Config, steps: int) -> Config:

@@ -3,7 +3,7 @@
 build K:   token rows --(blocks 0..K-1)--> hidden entering block K
 refresh K: boundary K-1 cache --(block K-1 alone)--> hidden entering block K
 
-The driver takes a boundary's caches as a visit's plan has them (preinfer.visit_plan: their
+The driver takes a boundary's caches as a visit's plan has them (preinfer.schedule.visit_plan: their
 fingerprints and rows; the rotation hands its own, the stages plan block K's visit), opens
 their writers (the shards still missing), then runs PrefixWorker (pipelines/prefix_worker.py)
 over them: in this process for a local build (no actor start-up), or over a pool of Ray
@@ -38,20 +38,20 @@ from pipelines.ray_env import (
     runtime_env_vars,
     worker_payload,
 )
-from preinfer import hostmem
-from preinfer.cache_identity import (
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.plan.guards import check_disk_for_boundary, check_vocab
+from preinfer.run.config import Config
+from preinfer.run.provenance import check_settings
+from preinfer.runtime import hostmem
+from preinfer.schedule.cache_identity import (
     BoundaryPlan,
     CachePlan,
     Sources,
     cache_meta,
     compute_choice,
 )
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import Config
-from preinfer.guards import check_disk_for_boundary, check_vocab
-from preinfer.provenance import check_settings
-from preinfer.rotation import store_budget
-from preinfer.visit_plan import VisitPlan, plan_visit
+from preinfer.schedule.rotation import store_budget
+from preinfer.schedule.visit_plan import VisitPlan, plan_visit
 from storage import fs
 from storage.cache import CacheWriter
 from storage.config import LOSSY_DTYPES

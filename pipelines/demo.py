@@ -5,7 +5,7 @@ A killed demo resumes: `<run.dir>/demo.json` records the settings it runs with a
 perplexity before training, and the rotation underneath resumes from state.json, so a rerun
 with the same settings finds its own partly trained checkpoint and goes on. A demo.json of other
 settings, or a trained checkpoint no demo recorded, is refused before any work, with what
-differs. The demo holds the run.dir's lock throughout (preinfer/run_lock.py), and ends by
+differs. The demo holds the run.dir's lock throughout (preinfer/run/lock.py), and ends by
 exporting the model as a transformers directory, `<run.dir>/export`.
 """
 
@@ -16,16 +16,17 @@ import time
 from pathlib import Path
 
 from core.config import ConfigError
-from pipelines.bcd import load_state, run_bcd
+from pipelines.bcd import run_bcd
 from pipelines.eval import run_eval
 from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.tokenize import run_tokenize
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import CheckpointExists
-from preinfer.config import Config
-from preinfer.run_lock import run_lock
+from preinfer.checkpoint.format import CheckpointExists
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.config import Config
+from preinfer.run.lock import run_lock
+from preinfer.run.state import load_run_state
 from storage import fs
 from storage.atomic import write_json
 
@@ -102,7 +103,7 @@ def _demo(cfg: Config, log) -> dict:
                 f"runs/), or run it elsewhere: make demo SET=run.dir=runs/demo2. ({e})"
             ) from None
         ckpt = Checkpoint.open(cfg.run.checkpoint)  # the one this demo trained so far
-        done = len(load_state(cfg)["visits"])
+        done = len(load_run_state(cfg.run.dir)["visits"])
         log(
             f"== resuming the interrupted demo in {run_dir}: {done} of "
             f"{cfg.train.rounds * ckpt.num_blocks} block visits done (state.json)"

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import Config
-from preinfer.device import autocast, resolve_device
-from preinfer.loss import evaluate_tokens
-from preinfer.metrics import append_metrics
-from preinfer.provenance import check_settings
-from preinfer.run_state import check_run
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import forward_blocks
+from preinfer.model.loss import evaluate_tokens
+from preinfer.run.config import Config
+from preinfer.run.provenance import check_settings
+from preinfer.run.state import check_run
+from preinfer.runtime.device import autocast, resolve_device
+from preinfer.runtime.metrics import append_metrics
 from storage.tokens import TokenStore
 
 # (objective, store has labels) -> the positions the loss is a mean over

@@ -2,17 +2,17 @@
 Hugging Face transformers directory (config.json, model.safetensors, tokenizer files and, for
 causal LMs, generation_config.json). A causal LM fine-tuned from the user's HF directories
 (data.tokenizer, model.checkpoint) keeps their tokenizer files, special-token ids and generation
-config. The writing is preinfer/export.py's."""
+config. The writing is preinfer/checkpoint/export.py's."""
 
 from __future__ import annotations
 
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import Config
-from preinfer.export import check_out_dir, export_hf
-from preinfer.modeling import resolve_checkpoint_path, resolve_package_path
-from preinfer.provenance import check_settings
-from preinfer.run_state import check_run
-from preinfer.tokenization import tokenizer_file
+from preinfer.checkpoint.export import check_out_dir, export_hf
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.data.tokenization import tokenizer_file
+from preinfer.model.modeling import resolve_checkpoint_path, resolve_package_path
+from preinfer.run.config import Config
+from preinfer.run.provenance import check_settings
+from preinfer.run.state import check_run
 from storage import fs
 from storage.tokens import TokenStore
 

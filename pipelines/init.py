@@ -3,16 +3,16 @@ blocks and write the per-block checkpoint.
 
 Everything that can refuse (the token store's vocab and positions, the run.dir lock) is checked
 before the first byte is written. A new checkpoint under a run.dir moves the run's earlier
-records aside (preinfer/run_state.py): they describe the checkpoint it replaced."""
+records aside (preinfer/run/state.py): they describe the checkpoint it replaced."""
 
 from __future__ import annotations
 
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import build_blocks, init_checkpoint
-from preinfer.config import Config
-from preinfer.guards import check_dims
-from preinfer.run_lock import run_lock
-from preinfer.run_state import reset_run
+from preinfer.checkpoint.init import build_blocks, init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.plan.guards import check_dims
+from preinfer.run.config import Config
+from preinfer.run.lock import run_lock
+from preinfer.run.state import reset_run
 from storage.tokens import TokenStore
 
 

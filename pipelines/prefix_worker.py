@@ -20,11 +20,11 @@ import torch
 
 from core import faults
 from pipelines.ray_env import worker_config
-from preinfer import hostmem
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import Config
-from preinfer.device import pin_threads, resolve_device, torch_dtype
-from preinfer.prefix import forward_prefix
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.prefix import forward_prefix
+from preinfer.run.config import Config
+from preinfer.runtime import hostmem
+from preinfer.runtime.device import pin_threads, resolve_device, torch_dtype
 from storage.cache import CacheWriter
 from storage.reader import open_cache
 from storage.values import decode

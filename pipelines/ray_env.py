@@ -19,7 +19,7 @@ import os
 from collections import deque
 from collections.abc import Iterator
 
-from preinfer.config import Config, config_from_dict
+from preinfer.run.config import Config, config_from_dict
 from storage.config import credential_env, with_env_credentials
 
 # the private instance this process started (its node id) and the environment variables its

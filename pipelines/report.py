@@ -32,9 +32,9 @@ from pipelines.report_plots import (
     plot_val_ppl,
 )
 from pipelines.report_summary import _f, write_summary
-from preinfer.config import Config
-from preinfer.provenance import check_settings
-from preinfer.run_state import check_run
+from preinfer.run.config import Config
+from preinfer.run.provenance import check_settings
+from preinfer.run.state import check_run
 
 PLOTS = ("progress", "loss", "val_ppl", "cache_timeline", "throughput")
 

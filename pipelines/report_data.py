@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-from preinfer.config import Config
+from preinfer.run.config import Config
 from storage import fs
 from storage.layout import FP_RE
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from core.config import to_dict
-from preinfer.config import Config
+from preinfer.run.config import Config
 from storage.atomic import human
 
 # ---- the markdown summary ----

@@ -7,7 +7,7 @@ a rerun over a complete store with that fingerprint does nothing (unless a shard
 checksum: then the store is written again).
 
 Rows are never lost silently: pass 1 counts every row it cannot use, by reason
-(preinfer/corpus.py RowStats), and refuses more than 1% of them unless data.on_bad_rows=skip,
+(preinfer/data/corpus.py RowStats), and refuses more than 1% of them unless data.on_bad_rows=skip,
 before anything is written; the counts go to the log and the manifest's "rows". A failed tokenize leaves nothing
 behind (its temp store, and the directories it made), and of two writing one store at once the
 second to commit is refused (storage/tokens.py).
@@ -15,7 +15,7 @@ second to commit is refused (storage/tokens.py).
 Streaming: the corpus is read in passes (hash and count; train the BPE; encode and pack), never
 held whole; what stays in memory is one batch of documents, a row being packed and at most a
 shard of rows per split (the writer's buffers). A long document reaches the tokenizer in pieces
-cut where its pre-tokenizer splits anyway (preinfer/tokenization.py `pieces`): the same ids, at
+cut where its pre-tokenizer splits anyway (preinfer/data/tokenization.py `pieces`): the same ids, at
 the memory of many short documents.
 """
 
@@ -32,13 +32,10 @@ from tqdm import tqdm
 
 from core.config import ConfigError
 from core.fingerprint import chain, file_hash
-from preinfer.chat import ChatTemplate
-from preinfer.config import Config
-from preinfer.corpus import CorpusError, RowStats
-from preinfer.modeling import resolve_checkpoint_path
-from preinfer.packing import MASK_REPLACE, MlmPacker, Packer, PairPacker
-from preinfer.run_lock import check_writable
-from preinfer.tokenization import (
+from preinfer.data.chat import ChatTemplate
+from preinfer.data.corpus import CorpusError, RowStats
+from preinfer.data.packing import MASK_REPLACE, MlmPacker, Packer, PairPacker
+from preinfer.data.tokenization import (
     BATCH_CHARS,
     LOOSE_PIECE_CHARS,
     PIECE_CHARS,
@@ -53,6 +50,9 @@ from preinfer.tokenization import (
     tokenizer_file,
     train_bpe,
 )
+from preinfer.model.modeling import resolve_checkpoint_path
+from preinfer.run.config import Config
+from preinfer.run.lock import check_writable
 from storage import fs
 from storage.atomic import as_os_error
 from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter, manifest_bytes

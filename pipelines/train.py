@@ -27,19 +27,17 @@ from pipelines.ray_env import (
     worker_config,
     worker_payload,
 )
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import Config
-from preinfer.device import resolve_device, training_precision
-from preinfer.guards import check_vocab, warn_trainer_memory
-from preinfer.memory import setup_for
-from preinfer.metrics import last_visit_summary
-from preinfer.model_shape import model_shape
-from preinfer.provenance import check_settings
-from preinfer.rotation import VisitBudget
-from preinfer.run_state import check_run, checkpoint_record, load_run_state, save_run_state
-from preinfer.visit import Visit, VisitHooks, VisitSpec, state_path
-from preinfer.visit_plan import VisitPlan
-from preinfer.visit_state import load_state
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.plan.guards import check_vocab
+from preinfer.run.config import Config
+from preinfer.run.preflight import check_memory
+from preinfer.run.provenance import check_settings
+from preinfer.run.state import check_run, checkpoint_record, load_run_state, save_run_state
+from preinfer.run.visit import Visit, VisitHooks, VisitSpec, state_path
+from preinfer.run.visit_state import load_state
+from preinfer.runtime.device import resolve_device
+from preinfer.runtime.metrics import last_visit_summary
+from preinfer.schedule.visit_plan import VisitPlan
 from storage.tokens import TokenStore
 
 
@@ -127,35 +125,6 @@ def _worker_loop(config: dict) -> None:
         local_rank=ctx.get_local_rank(),
     )
     ray.train.report({k: v for k, v in summary.items() if isinstance(v, int | float)})
-
-
-def precision_line(cfg: Config) -> str:
-    """run.precision as resolved on this machine's device, with the reason."""
-    name, why = training_precision(resolve_device(cfg.run.device), cfg.run.precision)
-    return f"{name} ({why})"
-
-
-def check_memory(
-    cfg: Config, ckpt: Checkpoint, budget: VisitBudget, seq: int, *, mode: str,
-    block: int | None = None, log=print,
-) -> dict | None:  # fmt: skip
-    """Say the training precision, and warn (never refuse) when the planner's trainer-peak
-    estimate exceeds this machine's device (guards.warn_trainer_memory): the visit of `block`,
-    or (None) the rotation's worst block, over the rows `budget` plans, S=`seq`. An estimate
-    that fails is said, never raised: it must not stop a run. Returns the worst estimate."""
-    log(f"  training precision: {precision_line(cfg)}")
-    try:
-        device = resolve_device(cfg.run.device)
-        sh = model_shape(cfg.model)
-        setup = setup_for(sh, cfg.train, cfg.cache, cfg.preinfer,
-                          target="gpu" if device.type == "cuda" else "cpu", seq=seq,
-                          token_rows=cfg.data.shard_rows, run_precision=cfg.run.precision,
-                          budget=budget, cards=max(1, cfg.train.workers))  # fmt: skip
-        return warn_trainer_memory(sh, ckpt.partition, setup, mode=mode, device=str(device),
-                                   block=block, log=log)  # fmt: skip
-    except Exception as e:  # an estimate must never stop a run
-        log(f"  (no trainer memory estimate: {type(e).__name__}: {e})")
-        return None
 
 
 def run_train(

@@ -176,7 +176,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
 def reads_whole(rows: int, row_bytes: int, mb: float) -> bool:
     """Whether `rows` stored rows of `row_bytes` fit a shuffle buffer of `mb` MB: a reader
-    then holds them all (preinfer.batches.CacheBatches draws its batches from them)."""
+    then holds them all (preinfer.train.batches.CacheBatches draws its batches from them)."""
     return rows * row_bytes <= mb * 2**20
 
 

@@ -13,7 +13,7 @@ manifest. "Directories" are key prefixes; listing is prefix listing. s3fs's list
 off, so a driver sees the markers its workers wrote.
 
 Options (endpoint, credentials, region, ...) come from `configure(StorageConfig)`, which
-`preinfer.config.Config` calls when it is built (in the driver and in every Ray worker, which
+`preinfer.run.config.Config` calls when it is built (in the driver and in every Ray worker, which
 rebuild the config from plain data). Credentials left unset come from the standard AWS chain
 (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, ~/.aws, instance roles).
 `check(url)` probes the bucket once per process, so an unreachable endpoint, a missing bucket

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from preinfer.modeling import ModelConfig
+from preinfer.model.modeling import ModelConfig
 
 pytest_plugins = ["tests.pipeline_fixtures"]  # the tiny-run fixtures
 

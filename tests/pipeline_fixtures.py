@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.config import load_config
 from storage.cache import CacheWriter
 from storage.config import CacheConfig
 

@@ -8,13 +8,13 @@ from torch.testing import assert_close
 
 from conftest import ARCHS, MINILM, tiny_input_ids, tiny_model_config
 from core.config import ConfigError
-from preinfer.adapters import AdapterError, block_boundaries, forward_blocks, get_adapter
-from preinfer.modeling import (
+from preinfer.model.adapters import AdapterError, block_boundaries, forward_blocks, get_adapter
+from preinfer.model.modeling import (
     build_model,
     default_intermediate,
     resolve_checkpoint_path,
 )
-from preinfer.partition import partition_layers, partition_model
+from preinfer.model.partition import partition_layers, partition_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

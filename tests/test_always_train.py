@@ -10,9 +10,9 @@ import torch
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import build_cache, plan_block
 from pipelines.train import run_train
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.optim_state import SEP
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.optim_state import SEP
+from preinfer.checkpoint.store import Checkpoint
 from tests.pipeline_fixtures import quiet
 
 FAST = ("train.eval_every=0", "train.checkpoint_every=0", "train.max_steps=2", "train.epochs=null")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import preinfer.export
+import preinfer.checkpoint.export
 from core.config import ConfigError, to_dict
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import build_cache, refresh_cache
@@ -21,9 +21,9 @@ from pipelines.eval import run_eval
 from pipelines.export import run_export
 from pipelines.report import run_report
 from pipelines.tokenize import run_tokenize
-from preinfer.config import load_config
-from preinfer.corpus import CorpusError
-from preinfer.provenance import data_changes
+from preinfer.data.corpus import CorpusError
+from preinfer.run.config import load_config
+from preinfer.run.provenance import data_changes
 from storage.tokens import TokenStore, TokenStoreWriter
 from tests.pipeline_fixtures import TINY, quiet, tiny_cfg
 
@@ -210,7 +210,7 @@ def test_export_under_a_file_is_refused_and_a_failed_one_leaves_no_directory(
     def no_disk(root):
         raise OSError(errno.EIO, "injected", str(root))
 
-    monkeypatch.setattr(preinfer.export, "_fsync_tree", no_disk)
+    monkeypatch.setattr(preinfer.checkpoint.export, "_fsync_tree", no_disk)
     with pytest.raises(OSError, match="injected"):
         run_export(cfg, str(tmp_path / "new" / "deeper" / "hf"), log=quiet)
     assert not (tmp_path / "new").exists()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from pipelines.bcd import run_bcd
-from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint.store import Checkpoint
 from tests.pipeline_fixtures import TINY, assert_same_weights, quiet
 
 

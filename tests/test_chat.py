@@ -20,9 +20,9 @@ from pipelines.cli import main
 from pipelines.eval import run_eval
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.loss import IGNORE
-from preinfer.tokenization import is_val, iter_documents, load_tokenizer
-from preinfer.visit import Visit, VisitSpec
+from preinfer.data.tokenization import is_val, iter_documents, load_tokenizer
+from preinfer.model.loss import IGNORE
+from preinfer.run.visit import Visit, VisitSpec
 from storage.tokens import TokenStoreError
 from tests.pipeline_fixtures import TINY, quiet, tiny_cfg
 

@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
-import preinfer.checkpoint as ckmod
-import preinfer.checkpoint_init as ckinit
+import preinfer.checkpoint.init as ckinit
+import preinfer.checkpoint.store as ckmod
 from conftest import tiny_input_ids, tiny_model_config
 from core.fingerprint import file_hash
-from preinfer.adapters import AdapterError, forward_blocks, get_adapter
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import INDEX, CheckpointError
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.modeling import build_model
+from preinfer.checkpoint.format import INDEX, CheckpointError
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import AdapterError, forward_blocks, get_adapter
+from preinfer.model.modeling import build_model
 
 
 @pytest.fixture

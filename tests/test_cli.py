@@ -106,7 +106,7 @@ def test_cache_names_cannot_escape_the_root(capsys, tmp_path, fp):
 def test_demo_rerun_over_a_trained_run_says_what_to_do(tiny_run, capsys):
     """A second `make demo` finds the checkpoint its first run trained: it stops before any
     work with a message naming the run dir and how to start over, and changes nothing."""
-    from preinfer.checkpoint import Checkpoint
+    from preinfer.checkpoint.store import Checkpoint
 
     cfg = tiny_run()
     ckpt = Checkpoint.open(cfg.run.checkpoint)

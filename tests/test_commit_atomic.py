@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from conftest import tiny_model_config
 from core import faults
 from pipelines.bcd import run_bcd
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import INDEX, LOCK
-from preinfer.checkpoint_init import init_checkpoint
+from preinfer.checkpoint.format import INDEX, LOCK
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
 from tests.pipeline_fixtures import assert_same_weights, quiet, tiny_cfg
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from pipelines.cache_build import build_cache, plan_block
-from preinfer.config import load_config
+from preinfer.run.config import load_config
 from storage.reader import open_cache
 from tests.pipeline_fixtures import quiet
 

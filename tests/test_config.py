@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from core.config import ConfigError, field_docs
-from preinfer.config import Config, load_config
+from preinfer.run.config import Config, load_config
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
 
@@ -23,7 +23,7 @@ def test_every_yaml_loads(path):
 
 
 def test_every_field_has_a_doc():
-    from preinfer import config as root
+    from preinfer.run import config as root
 
     for sect in dataclasses.fields(Config):
         cls = root.Config.__dataclass_fields__[sect.name].default_factory

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from pipelines.cache_build import build_cache, plan_block
 from pipelines.train import run_rank, run_train, visit_spec, worker_loop_config
-from preinfer.checkpoint import Checkpoint
-from preinfer.visit import VisitHooks
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.visit import VisitHooks
 from tests.pipeline_fixtures import quiet
 
 WORLD = 2

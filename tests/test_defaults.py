@@ -12,8 +12,8 @@ from pipelines.bcd import run_bcd
 from pipelines.eval import run_eval
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.config import load_config
-from preinfer.trainer import TrainConfig
+from preinfer.run.config import load_config
+from preinfer.train.config import TrainConfig
 from tests.pipeline_fixtures import quiet
 
 SHAPE = {

@@ -31,7 +31,7 @@ import pytest
 
 from core import faults
 from pipelines.cache_build import build_cache
-from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint.store import Checkpoint
 from storage.cache import CacheWriter
 from storage.layout import MANIFEST
 from storage.tokens import TokenStore
@@ -50,8 +50,8 @@ import json, sys, traceback
 from pipelines.bcd import run_bcd
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.checkpoint_format import CheckpointExists
-from preinfer.config import load_config
+from preinfer.checkpoint.format import CheckpointExists
+from preinfer.run.config import load_config
 cfg = load_config("configs/demo.yaml", sys.argv[1:])
 quiet = lambda *a, **k: None
 stage = "tokenize"

@@ -12,10 +12,10 @@ from pipelines.cli import main
 from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import CheckpointError
-from preinfer.tokenization import load_tokenizer
+from preinfer.checkpoint.format import CheckpointError
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.data.tokenization import load_tokenizer
+from preinfer.model.adapters import forward_blocks
 from tests.conftest import MINILM
 from tests.pipeline_fixtures import TINY, quiet
 
@@ -115,8 +115,8 @@ def test_bert_export_reloads_as_masked_lm(tiny_run, tmp_path):
 
 def test_pretrained_minilm_export_keeps_its_wordpiece_tokenizer(tmp_path):
     """configs/minilm.yaml: pretrained BERT (MiniLM-L6) and its own WordPiece tokenizer."""
-    from preinfer.config import load_config
-    from preinfer.modeling import resolve_package_path
+    from preinfer.model.modeling import resolve_package_path
+    from preinfer.run.config import load_config
 
     over = ["data.max_documents=4", "data.seq_len=16", "data.val_fraction=0.25"]
     cfg = load_config("configs/minilm.yaml", [f"run.dir={tmp_path / 'minilm'}", *over])

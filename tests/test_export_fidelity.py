@@ -20,10 +20,10 @@ from pipelines.bcd import run_bcd
 from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
-from preinfer.export import export_hf
-from preinfer.optim_state import SEP
+from preinfer.checkpoint.export import export_hf
+from preinfer.checkpoint.optim_state import SEP
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.config import load_config
 from tests.pipeline_fixtures import quiet
 
 TEXT = "def greet(name):\n    return 'hello ' + name\n"

@@ -17,7 +17,7 @@ import torch
 
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import build_cache, plan_block
-from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint.store import Checkpoint
 from storage.cache import CacheWriter
 from storage.config import CacheConfig
 from storage.reader import open_cache
@@ -139,10 +139,10 @@ def test_replaced_checkpoint_block_never_reads_the_old_cache(tiny_run):
 
 
 def test_cache_build_refuses_before_writing_when_disk_is_too_small(tiny_run, monkeypatch):
-    from preinfer.guards import DiskSpaceError
+    from preinfer.plan.guards import DiskSpaceError
 
     cfg = tiny_run()
-    for where in ("preinfer.guards", "storage.cache"):  # the guard's and the writer's
+    for where in ("preinfer.plan.guards", "storage.cache"):  # the guard's and the writer's
         monkeypatch.setattr(f"{where}.free_disk_bytes", lambda path: 1000)
     with pytest.raises(DiskSpaceError, match="only 1000"):
         build_cache(cfg, 1, log=quiet)

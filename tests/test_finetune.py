@@ -11,9 +11,9 @@ from pipelines.bcd import run_bcd
 from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import forward_blocks
+from preinfer.run.config import load_config
 from tests.pipeline_fixtures import quiet
 
 EOS = "<|endoftext|>"

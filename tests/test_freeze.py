@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from core.config import ConfigError
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.config import load_config
 from tests.test_suffix_rank import FAST, blocks, changed, visit
 from tests.test_suffix_rank import llama_run as llama_run  # noqa: F401 (a fixture)
 
@@ -49,7 +49,7 @@ def test_freeze_lists_a_part_once_and_only_known_parts(tmp_path):
 
 def test_a_frozen_embedding_gets_no_gradient(tiny_run):
     """The frozen embedding carries no grad after a step: no weight-gradient of the tied head."""
-    from preinfer.visit import Visit, VisitSpec
+    from preinfer.run.visit import Visit, VisitSpec
 
     cfg = tiny_run(*FAST, "train.freeze=[embed]", "train.max_steps=1")
     v = Visit(
@@ -66,8 +66,8 @@ def test_the_planner_counts_a_frozen_embedding(tiny_run):
     embedding frozen; the other blocks' visits are the same."""
     import dataclasses
 
-    from preinfer.memory import setup_for, trainer_memory
-    from preinfer.model_shape import model_shape
+    from preinfer.model.shape import model_shape
+    from preinfer.plan.memory import setup_for, trainer_memory
 
     cfg = tiny_run(*FAST)
     sh, part = model_shape(cfg.model), Checkpoint.open(cfg.run.checkpoint).partition

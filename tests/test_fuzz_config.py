@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from core.config import ConfigError, apply_override
 from pipelines.cli import main
-from preinfer.config import config_from_dict, load_config
+from preinfer.run.config import config_from_dict, load_config
 
 SECTIONS = ["run", "model", "data", "partition", "cache", "preinfer", "train"]
 KEYS = [

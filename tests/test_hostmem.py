@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from preinfer import hostmem
+from preinfer.runtime import hostmem
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 
 
 CHILD = """
 import torch
-from preinfer import hostmem
-from preinfer.trainer import current_memory_mb
+from preinfer.runtime import hostmem
+from preinfer.runtime.memstats import current_memory_mb
 assert hostmem.pin_malloc(1 << 20) == 1 << 20 and hostmem.pinned() == 1 << 20
 cpu = torch.device("cpu")
 before = current_memory_mb(cpu)
@@ -44,7 +44,7 @@ def test_freed_buffers_above_the_threshold_leave_the_resident_set():
 
 def test_zero_threshold_leaves_the_allocator_alone(monkeypatch):
     from core.config import ConfigError
-    from preinfer.config import load_config
+    from preinfer.run.config import load_config
 
     monkeypatch.setattr(hostmem, "_pinned", None)
     assert hostmem.pin_malloc(0) is None and hostmem.pinned() is None  # off: nothing changed
@@ -58,7 +58,7 @@ def test_workers_get_two_malloc_arenas_unless_told_otherwise(monkeypatch):
     """The env Ray gives the pre-inference actors (pipelines.cache_build.actor_env)."""
     from core import faults
     from pipelines.cache_build import actor_env
-    from preinfer.config import load_config
+    from preinfer.run.config import load_config
 
     cfg = load_config(None)
     monkeypatch.delenv(hostmem.ARENA_ENV, raising=False)
@@ -75,8 +75,8 @@ def test_workers_get_two_malloc_arenas_unless_told_otherwise(monkeypatch):
 ARENAS = """
 import threading
 import torch
-from preinfer import hostmem
-from preinfer.trainer import current_memory_mb
+from preinfer.runtime import hostmem
+from preinfer.runtime.memstats import current_memory_mb
 hostmem.pin_malloc(32 << 20)  # as a worker computes: MiB-sized blocks come from the heap
 cpu = torch.device("cpu")
 keep = []

@@ -1,4 +1,5 @@
-"""The house has one direction: core -> storage -> preinfer (library) -> pipelines -> bench.
+"""The house has one direction: core -> storage -> preinfer (library) -> pipelines -> bench,
+and inside preinfer/ its sub-packages have one too (SUBLAYERS, bottom to top).
 
 Reads every import (module level and function local) of the product and bench packages with
 `ast`; an import of a higher layer, or a cycle between modules, fails with the file and line.
@@ -12,6 +13,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ["core", "storage", "preinfer", "pipelines", "bench"]  # bottom to top
+# preinfer/'s sub-packages, bottom to top; the package root (its public surface) sits on top
+SUBLAYERS = {
+    "preinfer": ["runtime", "model", "data", "checkpoint", "train", "schedule", "plan", "run"],
+}
+
+
+def _rank(mod: str) -> tuple[int, int]:
+    """(layer, sub-layer) of a module; a layer without sub-layers, or its root, ranks on top."""
+    parts = mod.split(".")
+    subs = SUBLAYERS.get(parts[0], [])
+    sub = subs.index(parts[1]) if len(parts) > 1 and parts[1] in subs else len(subs)
+    return LAYERS.index(parts[0]), sub
 
 
 def _modules() -> dict[str, Path]:
@@ -60,12 +73,13 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     upward = []
     for mod, path in mods.items():
-        here = LAYERS.index(mod.split(".")[0])
+        here = _rank(mod)
         for target, line in _imports(mod, path, known):
             graph[mod].add(target)
-            there = LAYERS.index(target.split(".")[0])
+            there = _rank(target)
             if there > here:
-                upward.append(f"{path.relative_to(ROOT)}:{line} imports {target} (a higher layer)")
+                what = "a higher layer" if there[0] > here[0] else "a higher sub-package"
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({what})")
     return graph, upward
 
 
@@ -109,6 +123,17 @@ def test_no_import_runs_up_a_layer():
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
 
 
+def test_every_library_module_sits_in_a_sub_package():
+    """A module straight under preinfer/ (or in a sub-package SUBLAYERS does not list) has no
+    place in the order: put it in the sub-package that owns its concept."""
+    loose = [
+        m for m in _modules()
+        if m.split(".")[0] in SUBLAYERS and m != m.split(".")[0]
+        and m.split(".")[1] not in SUBLAYERS[m.split(".")[0]]
+    ]  # fmt: skip
+    assert not loose, f"modules outside the sub-packages {SUBLAYERS}: {loose}"
+
+
 def test_no_import_cycles():
     graph, _ = _graph()
     cycles = _cycles(graph)
@@ -121,6 +146,8 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path):
     found = _imports("storage.x2", a, {"storage.x", "pipelines.cli"})
     assert [m for m, _ in found] == ["storage.x", "pipelines.cli"]
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _rank("preinfer.model.loss") < _rank("preinfer.train.step") < _rank("preinfer")
+    assert _rank("preinfer.run.visit") < _rank("pipelines.bcd")
 
 
 def test_every_module_imports():

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from conftest import tiny_input_ids, tiny_model_config
-from preinfer.adapters import forward_blocks, get_adapter
-from preinfer.loss import IGNORE, blocks_loss, head_loss, linear_cross_entropy, lm_loss
-from preinfer.modeling import build_model
-from preinfer.partition import partition_model
+from preinfer.model.adapters import forward_blocks, get_adapter
+from preinfer.model.loss import IGNORE, blocks_loss, head_loss, linear_cross_entropy, lm_loss
+from preinfer.model.modeling import build_model
+from preinfer.model.partition import partition_model
 
 
 def _grads(*ts):

@@ -9,7 +9,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipelines.eval import run_eval
-from preinfer.visit import Visit, VisitSpec
+from preinfer.run.visit import Visit, VisitSpec
 from tests.pipeline_fixtures import quiet
 
 

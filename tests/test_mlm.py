@@ -17,13 +17,13 @@ from pipelines.cache_build import build_cache
 from pipelines.eval import run_eval
 from pipelines.tokenize import run_tokenize, tokens_fingerprint
 from pipelines.train import run_train
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint import Checkpoint
-from preinfer.config import load_config
-from preinfer.loss import IGNORE, evaluate_tokens
-from preinfer.packing import mask_rows
-from preinfer.tokenization import is_val, iter_documents, load_tokenizer
-from preinfer.visit import Visit, VisitSpec
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.data.packing import mask_rows
+from preinfer.data.tokenization import is_val, iter_documents, load_tokenizer
+from preinfer.model.adapters import forward_blocks
+from preinfer.model.loss import IGNORE, evaluate_tokens
+from preinfer.run.config import load_config
+from preinfer.run.visit import Visit, VisitSpec
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet, tiny_cfg
@@ -156,7 +156,7 @@ def test_objective_follows_the_arch_and_a_wrong_one_is_refused(tmp_path):
 
 
 def test_a_tokenizer_without_a_mask_token_is_refused(tmp_path):
-    from preinfer.tokenization import train_bpe
+    from preinfer.data.tokenization import train_bpe
 
     path = tmp_path / "tok.json"
     train_bpe(["some text to learn merges from " * 20], 300).save(str(path))

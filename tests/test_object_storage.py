@@ -23,8 +23,8 @@ import torch
 
 from core.config import ConfigError
 from pipelines.cli import main as cli
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import CheckpointError
+from preinfer.checkpoint.format import CheckpointError
+from preinfer.checkpoint.store import Checkpoint
 from storage import cache_tools as tools
 from storage import fs
 from storage.cache import CacheWriter

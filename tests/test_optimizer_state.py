@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_format import INDEX, CheckpointError
-from preinfer.visit import Visit, VisitSpec
+from preinfer.checkpoint.format import INDEX, CheckpointError
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.visit import Visit, VisitSpec
 from tests.pipeline_fixtures import quiet, tiny_cfg
 
 CPU = torch.device("cpu")
@@ -55,7 +55,7 @@ def test_the_state_is_held_once_on_cpu_when_it_is_committed_and_loaded(tiny_run)
     """A commit writes the optimizer's own CPU tensors (a copy would double the moments, as
     large as the block, at every commit), and a visit's optimizer takes the tensors just read
     from the file rather than copying them again; the values are what the optimizer held."""
-    from preinfer.optim_state import load_optimizer_tensors, optimizer_tensors
+    from preinfer.checkpoint.optim_state import load_optimizer_tensors, optimizer_tensors
 
     cfg = tiny_run(*SHORT, KEEP)
     visit(cfg, 1, 0).run(log=quiet)

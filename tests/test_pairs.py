@@ -17,11 +17,11 @@ from core.config import ConfigError
 from pipelines.cache_build import build_cache, plan_block
 from pipelines.eval import run_eval
 from pipelines.tokenize import run_tokenize
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint import Checkpoint
-from preinfer.loss import IGNORE, evaluate_tokens
-from preinfer.tokenization import is_val, iter_documents, load_tokenizer
-from preinfer.visit import Visit, VisitSpec
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.data.tokenization import is_val, iter_documents, load_tokenizer
+from preinfer.model.adapters import forward_blocks
+from preinfer.model.loss import IGNORE, evaluate_tokens
+from preinfer.run.visit import Visit, VisitSpec
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet, tiny_cfg
@@ -244,7 +244,7 @@ def test_bad_pair_inputs_are_clear_errors_and_write_nothing(tmp_path, extra, nee
 
 
 def test_bad_template_and_text_files_are_clear_errors(tmp_path):
-    from preinfer.tokenization import DataConfig
+    from preinfer.data.tokenization import DataConfig
 
     with pytest.raises(ConfigError, match="prompt_template is not a valid template"):
         DataConfig(format="prompt_response", prompt_template="{instruction")

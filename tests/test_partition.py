@@ -10,9 +10,9 @@ import torch
 
 from conftest import tiny_model_config
 from core.config import ConfigError
-from preinfer.adapters import get_adapter
-from preinfer.modeling import build_model
-from preinfer.partition import (
+from preinfer.model.adapters import get_adapter
+from preinfer.model.modeling import build_model
+from preinfer.model.partition import (
     Partition,
     block_tensor_names,
     freeze_except,
@@ -125,7 +125,7 @@ def test_training_last_block_leaves_tied_embedding_alone():
     before = model.transformer.wte.weight.detach().clone()
     opt = torch.optim.SGD(freeze_except(model, ad, part, 1), lr=1.0)
     ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(0))
-    from preinfer.adapters import forward_blocks
+    from preinfer.model.adapters import forward_blocks
 
     loss = forward_blocks(ad, part, ids, 0, 2).logsumexp(-1).mean()
     loss.backward()

@@ -1,4 +1,4 @@
-"""The planner (preinfer/plan.py) and the resource guards (preinfer/guards.py).
+"""The planner (preinfer/plan/report.py) and the resource guards (preinfer/plan/guards.py).
 
 Fast tests: the saved-activation counts against autograd itself, the paper's fit findings on
 its model shapes (meta device, arithmetic only), the guards with injected disk/device figures,
@@ -19,17 +19,18 @@ import pytest
 import torch
 
 from core.config import ConfigError
-from preinfer import memory, plan
-from preinfer.config import load_config
-from preinfer.guards import (
+from preinfer.model.partition import partition_layers
+from preinfer.model.shape import model_shape
+from preinfer.plan import memory
+from preinfer.plan import report as plan
+from preinfer.plan.guards import (
     DiskSpaceError,
     check_disk_for_boundary,
     check_disk_for_rotation,
     warn_trainer_memory,
 )
-from preinfer.model_shape import model_shape
-from preinfer.partition import partition_layers
-from preinfer.rotation import store_budget, visit_budget
+from preinfer.run.config import load_config
+from preinfer.schedule.rotation import store_budget, visit_budget
 from tests.conftest import tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,8 @@ def _saved_bytes(model, fn) -> int:
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", "sequential"])
 @pytest.mark.parametrize("trainable", [True, False])
 def test_layer_activation_count_matches_autograd(arch, trainable):
-    from preinfer.adapters import get_adapter
-    from preinfer.modeling import build_model
+    from preinfer.model.adapters import get_adapter
+    from preinfer.model.modeling import build_model
 
     cfg = tiny_model_config(arch, hidden_size=64)  # llama: 2 kv heads for 4 query heads (GQA)
     model = build_model(cfg)
@@ -363,8 +364,8 @@ def test_checkpoint_disk_matches_the_files_a_run_writes(tiny_run, capsys):
     """The plan's checkpoint bytes against the files: init's fp32 block files, then the AdamW
     state a visit commits beside its block (train.keep_optimizer_state, the default)."""
     from pipelines.init import run_init
-    from preinfer.checkpoint import Checkpoint
-    from preinfer.visit import Visit, VisitSpec
+    from preinfer.checkpoint.store import Checkpoint
+    from preinfer.run.visit import Visit, VisitSpec
 
     got = plan.build_plan(tiny_run, plan.PlanOptions(card="cpu"))["checkpoint"]
     ck = run_init(tiny_run, log=lambda *a: None)
@@ -420,7 +421,7 @@ def test_writer_line_gives_the_cores_a_cards_cache_output_needs(tmp_path):
 def test_writer_line_without_a_given_rate_uses_the_measured_table(tmp_path):
     """Forward tokens/s from FLOPs when not given; MB per core-second from the table of
     bench/writer.py figures for the config's codec (the default blosc-zstd-3 byte)."""
-    from preinfer.costmodel import WRITER_MB_PER_CORE_S
+    from preinfer.plan.costmodel import WRITER_MB_PER_CORE_S
 
     w = _plan("plan-g7b.yaml", tmp_path, "h100-80", host_cores=64)["writer"]
     assert w["codec"] == "blosc-zstd-3 byte" and w["tokens_source"].startswith("FLOPs")
@@ -451,7 +452,7 @@ def test_planner_prices_bcd_with_our_measured_multipliers():
     import json
     from pathlib import Path
 
-    from preinfer.plan import MEASURED_BF, PAPER_BF, step_multipliers
+    from preinfer.plan.report import MEASURED_BF, PAPER_BF, step_multipliers
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results"
     for (arch, tied, _m), (avg, worst, name) in MEASURED_BF.items():
@@ -468,8 +469,8 @@ def test_planner_prices_bcd_with_our_measured_multipliers():
 
 
 def test_plan_report_names_where_its_multipliers_come_from(tmp_path):
-    from preinfer.config import load_config
-    from preinfer.plan import PlanOptions, build_plan
+    from preinfer.plan.report import PlanOptions, build_plan
+    from preinfer.run.config import load_config
 
     cfg = load_config("configs/demo.yaml", [f"run.dir={tmp_path}/run", "partition.num_blocks=3"])
     c = build_plan(cfg, PlanOptions(samples=1000))["cost"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipelines.bcd import run_bcd
-from preinfer import device as device_mod
-from preinfer.device import autocast, training_precision
+from preinfer.runtime import device as device_mod
+from preinfer.runtime.device import autocast, training_precision
 from tests.pipeline_fixtures import tiny_cfg
 from tests.test_rotation_order import weights
 

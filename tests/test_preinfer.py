@@ -11,8 +11,8 @@ import torch
 from core.config import ConfigError
 from core.faults import DIE_ONCE
 from pipelines.cache_build import build_cache, open_sources, open_writers, plan_block, refresh_cache
-from preinfer.adapters import forward_blocks
-from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import forward_blocks
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet
@@ -134,7 +134,7 @@ def test_bf16_cache_from_fp32_compute_equals_per_block_rounded_forward(tiny_run)
 
 
 def test_auto_compute_dtype_follows_the_hardware(monkeypatch):
-    from preinfer import device
+    from preinfer.runtime import device
 
     monkeypatch.setattr(device.torch.cuda, "is_available", lambda: False)
     # AVX2; AVX512-BF16 without AMX (bf16 slower than fp32 there); AMX-BF16
@@ -156,7 +156,7 @@ def test_native_bf16_detection_matches_the_cpus_own_flags():
     """The real detection (no patch): native bf16 iff the kernel lists a bf16 matmul flag for
     this CPU (x86: avx512_bf16 / amx_bf16; Arm: bf16 / svebf16); auto computes in bf16 iff
     it lists amx_bf16."""
-    from preinfer import device
+    from preinfer.runtime import device
 
     text = Path("/proc/cpuinfo").read_text()
     flags = set()
@@ -351,8 +351,8 @@ def test_a_visit_caches_exactly_the_rows_it_reads_and_refresh_keeps_them(tiny_ru
     """train.epochs=2 with 6 steps of 8: the round's cache holds the 24 rows the visit reads
     twice (not the whole split), boundary 2 (refreshed) holds the same rows in the same order,
     val holds the rows the evaluations read, and block 0 reads those rows from tokens."""
-    from preinfer.rotation import sample_indices, store_budget
-    from preinfer.visit import Visit, VisitSpec
+    from preinfer.run.visit import Visit, VisitSpec
+    from preinfer.schedule.rotation import sample_indices, store_budget
 
     cfg = tiny_run("train.epochs=2")
     store = TokenStore(cfg.data.out_dir)

@@ -18,8 +18,8 @@ import pytest
 
 from core.config import ConfigError, load_yaml
 from pipelines.cli import main
-from preinfer.checkpoint import Checkpoint
-from preinfer.tokenization import builtin_corpus_root
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.data.tokenization import builtin_corpus_root
 from tests.pipeline_fixtures import TINY, quiet, tiny_cfg, write_small_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def test_a_run_dir_that_is_a_file_is_one_line_and_writes_nothing(tmp_path, capsy
 
 def test_the_library_stages_refuse_a_run_dir_that_is_a_file(tmp_path):
     from pipelines.tokenize import run_tokenize
-    from preinfer.run_lock import run_lock
+    from preinfer.run.lock import run_lock
 
     somefile = tmp_path / "somefile"
     somefile.write_text("x")
@@ -207,7 +207,7 @@ def _one_line_text(chars: int) -> str:
 def test_a_long_text_in_pieces_gives_the_merges_and_ids_of_the_whole():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from preinfer.tokenization import encode_ids, pieces, train_bpe
+    from preinfer.data.tokenization import encode_ids, pieces, train_bpe
 
     # a long line, odd whitespace, and a stretch with none (cut between letters and digits)
     text = _one_line_text(150_000) + " a\t\tb  \n  c's\u3000d" * 300 + "abc123def(" * 2000 + " end"
@@ -254,7 +254,7 @@ def test_a_bpe_far_below_data_vocab_size_is_warned(tmp_path):
 PEAK = textwrap.dedent("""
     import json, resource, sys
     from pipelines.tokenize import run_tokenize
-    from preinfer.config import load_config
+    from preinfer.run.config import load_config
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cfg = load_config("configs/demo.yaml", sys.argv[1:])
     store = run_tokenize(cfg, log=lambda *a: None)

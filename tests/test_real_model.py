@@ -78,7 +78,7 @@ def test_a_chat_fine_tune_of_smollm2_keeps_its_chat_and_learns(tmp_path):
     from pipelines.export import run_export
     from pipelines.init import run_init
     from pipelines.tokenize import run_tokenize
-    from preinfer.config import load_config
+    from preinfer.run.config import load_config
     from tests.pipeline_fixtures import quiet
 
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.report import PLOTS, run_report
 from pipelines.report_data import read_metrics
-from preinfer.config import load_config
+from preinfer.run.config import load_config
 from tests.pipeline_fixtures import quiet
 
 M, ROUNDS, STEPS = 3, 2, 6

@@ -19,12 +19,12 @@ import torch
 from core import faults
 from core.config import ConfigError
 from pipelines.bcd import run_bcd
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.guards import DiskSpaceError, check_disk_for_rotation
-from preinfer.rotation import round_blocks, store_budget
-from preinfer.trainer import TrainConfig
-from preinfer.visit import VisitHooks
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.plan.guards import DiskSpaceError, check_disk_for_rotation
+from preinfer.run.visit import VisitHooks
+from preinfer.schedule.rotation import round_blocks, store_budget
+from preinfer.train.config import TrainConfig
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import TINY, assert_same_weights, quiet, tiny_cfg
 

@@ -21,8 +21,8 @@ from pipelines.eval import run_eval
 from pipelines.export import run_export
 from pipelines.init import run_init
 from pipelines.report import run_report
-from preinfer.checkpoint import Checkpoint
-from preinfer.run_lock import RunDirLocked, run_lock
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.lock import RunDirLocked, run_lock
 from tests.pipeline_fixtures import quiet
 
 ONE_ROUND = ("train.max_steps=2", "train.eval_every=0", "train.checkpoint_every=0")
@@ -111,7 +111,7 @@ def test_init_force_refused_while_a_run_holds_the_lock(tiny_run):
 
 _HOLD = """
 import sys, time
-from preinfer.run_lock import run_lock
+from preinfer.run.lock import run_lock
 with run_lock(sys.argv[1], "bcd --mode bcd", log=lambda *a: None):
     print("held", flush=True)
     time.sleep(600)
@@ -152,7 +152,7 @@ def test_refusal_inside_the_first_visit_leaves_the_run_as_it_was(tiny_run):
     hook that refuses) after state.json was written: no visit committed, so state.json,
     config.json and metrics.jsonl are put back as they were (absent)."""
     from core.config import ConfigError
-    from preinfer.visit import VisitHooks
+    from preinfer.run.visit import VisitHooks
 
     def refuse(visit, batches):
         raise ConfigError("refused by the test")
@@ -168,7 +168,7 @@ def test_refusal_inside_the_first_visit_leaves_the_run_as_it_was(tiny_run):
 def test_a_pending_visit_that_committed_is_not_a_mismatch(tiny_run):
     """A visit killed after its commit but before state.json recorded it (state "pending")
     resumes: the changed block is the pending visit's, not a replaced checkpoint."""
-    from preinfer.run_state import load_run_state, run_mismatch
+    from preinfer.run.state import load_run_state, run_mismatch
 
     cfg = tiny_run(*ONE_ROUND)
     run_bcd(cfg, log=quiet)

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from preinfer.run_lock import LOCK_NAME, RunDirLocked, run_lock
+from preinfer.run.lock import LOCK_NAME, RunDirLocked, run_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # a second process that takes the lock, says so, and holds it until its stdin closes
 HOLDER = """
 import sys
-from preinfer.run_lock import run_lock
+from preinfer.run.lock import run_lock
 with run_lock(sys.argv[1], "holder"):
     print("held", flush=True)
     sys.stdin.read()

@@ -19,8 +19,8 @@ from pipelines.cli import main
 from pipelines.demo import run_demo
 from pipelines.tokenize import run_tokenize
 from pipelines.train import run_train
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import init_checkpoint
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import TINY, assert_same_weights, quiet, tiny_cfg
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from conftest import tiny_model_config
 from core.config import ConfigError
 from pipelines.cli import main
-from preinfer.modeling import build_model, resolve_checkpoint_path
+from preinfer.model.modeling import build_model, resolve_checkpoint_path
 from storage.layout import check_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,7 +116,7 @@ def source_files() -> list[Path]:
 
 def test_the_source_tree_has_no_unsafe_loading():
     files = source_files()
-    assert len(files) > 30 and any(p.name == "checkpoint.py" for p in files)
+    assert len(files) > 30 and any(p.name == "store.py" for p in files)
     found = [f for p in files for f in findings(p.read_text(), str(p.relative_to(REPO)))]
     assert found == [], "\n".join(found)
 
@@ -246,9 +246,9 @@ def test_checkpoint_block_files_cannot_point_outside_the_checkpoint(tmp_path):
     would be read, and, on the next commit of that block, deleted (the old file of a commit is
     unlinked). Opening such a checkpoint is refused."""
     from conftest import tiny_model_config
-    from preinfer.checkpoint import Checkpoint
-    from preinfer.checkpoint_format import INDEX, CheckpointError
-    from preinfer.checkpoint_init import init_checkpoint
+    from preinfer.checkpoint.format import INDEX, CheckpointError
+    from preinfer.checkpoint.init import init_checkpoint
+    from preinfer.checkpoint.store import Checkpoint
 
     ck = init_checkpoint(tiny_model_config("gpt2"), 2, tmp_path / "ck")
     other = tmp_path / "other"

@@ -25,8 +25,8 @@ from pipelines import cache_build
 from pipelines.cli import main
 from pipelines.ray_env import credentials_env, worker_config, worker_payload
 from pipelines.train import worker_args
-from preinfer.config import load_config
-from preinfer.visit import VisitSpec
+from preinfer.run.config import load_config
+from preinfer.run.visit import VisitSpec
 from storage import fs
 from storage.config import CREDENTIAL_ENV, StorageConfig
 from tests import test_object_storage

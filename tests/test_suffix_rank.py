@@ -1,6 +1,6 @@
 """train.suffix_rank (issue #41, lever 1): a bcd visit of block K also trains LoRA adapters on the
 layer linears of blocks K+1..M-1 in the same backward, merges them at its end and commits those
-blocks with block K in its one commit (preinfer/suffix.py). Blocks 0..K-1 (every cache's
+blocks with block K in its one commit (preinfer/train/suffix.py). Blocks 0..K-1 (every cache's
 prefix) never change; the checkpoint and the export stay plain models."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from core.config import ConfigError
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import build_cache, plan_block
 from pipelines.export import run_export
-from preinfer.adapters import forward_blocks, get_adapter
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.memory import setup_for, trainer_memory
-from preinfer.model_shape import model_shape
-from preinfer.modeling import build_model, default_intermediate
-from preinfer.partition import partition_model
-from preinfer.suffix import SuffixAdapters, adapter_linear_dims, suffix_linears
-from preinfer.visit import Visit, VisitHooks, VisitSpec, state_path
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import forward_blocks, get_adapter
+from preinfer.model.modeling import build_model, default_intermediate
+from preinfer.model.partition import partition_model
+from preinfer.model.shape import model_shape
+from preinfer.plan.memory import setup_for, trainer_memory
+from preinfer.run.visit import Visit, VisitHooks, VisitSpec, state_path
+from preinfer.train.suffix import SuffixAdapters, adapter_linear_dims, suffix_linears
 from storage.reader import open_cache
 from tests.conftest import ARCHS, tiny_input_ids, tiny_model_config
 from tests.pipeline_fixtures import quiet

@@ -20,9 +20,9 @@ from core.config import ConfigError
 from pipelines.cli import main
 from pipelines.tokenize import run_tokenize
 from pipelines.train import run_train
-from preinfer.checkpoint import Checkpoint
-from preinfer.checkpoint_init import init_checkpoint
-from preinfer.visit import VisitSpec, state_path
+from preinfer.checkpoint.init import init_checkpoint
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.run.visit import VisitSpec, state_path
 from storage.tokens import TokenStore
 from tests.conftest import tiny_model_config
 from tests.pipeline_fixtures import TINY, quiet, tiny_cfg

@@ -10,10 +10,10 @@ import pytest
 from core.config import ConfigError
 from core.fingerprint import file_hash
 from pipelines.tokenize import run_tokenize
-from preinfer.batches import TokenBatches
-from preinfer.config import load_config
-from preinfer.packing import pack
-from preinfer.tokenization import is_val, iter_documents
+from preinfer.data.packing import pack
+from preinfer.data.tokenization import is_val, iter_documents
+from preinfer.run.config import load_config
+from preinfer.train.batches import TokenBatches
 from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter
 
 SMALL = [

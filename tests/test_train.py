@@ -10,10 +10,10 @@ import torch
 
 from core.config import ConfigError
 from pipelines.cache_build import build_cache
-from preinfer.checkpoint import Checkpoint
-from preinfer.device import torch_dtype
-from preinfer.prefix import forward_prefix
-from preinfer.visit import TrainingDiverged, Visit, VisitHooks, VisitSpec, state_path
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.prefix import forward_prefix
+from preinfer.run.visit import TrainingDiverged, Visit, VisitHooks, VisitSpec, state_path
+from preinfer.runtime.device import torch_dtype
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipelines.train import run_train
-from preinfer.checkpoint import Checkpoint
+from preinfer.checkpoint.store import Checkpoint
 from tests.pipeline_fixtures import quiet
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.functional]

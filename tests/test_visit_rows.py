@@ -19,10 +19,10 @@ from core import faults
 from core.config import ConfigError
 from pipelines.bcd import run_bcd
 from pipelines.cache_build import source_rows
-from preinfer.batches import CacheBatches, CacheWindow, TokenBatches
-from preinfer.cache_identity import CachePlan
-from preinfer.config import load_config
-from preinfer.rotation import (
+from preinfer.run.config import load_config
+from preinfer.run.visit import VisitHooks
+from preinfer.schedule.cache_identity import CachePlan
+from preinfer.schedule.rotation import (
     boundary_rows,
     boundary_visits,
     cache_window,
@@ -30,7 +30,7 @@ from preinfer.rotation import (
     visit_budget,
     visit_window,
 )
-from preinfer.visit import VisitHooks
+from preinfer.train.batches import CacheBatches, CacheWindow, TokenBatches
 from storage.dataset import CacheDataset
 from storage.reader import open_cache
 from tests.pipeline_fixtures import TINY, assert_same_weights, quiet, tiny_cfg, write_small_cache

@@ -1,0 +1,427 @@
+"""The on-disk model checkpoint: one safetensors file per block plus `checkpoint.json`.
+
+    <dir>/
+      checkpoint.json                       written LAST (temp file + os.replace): the commit point;
+                                            "tokens": the token store the last commit trained on
+      block_000-<hash8>.safetensors         block 0's owned tensors (embed + its layers)
+      block_001-<hash8>.safetensors         ...
+      optim_000-<hash8>.safetensors         with train.keep_optimizer_state: block 0's optimizer
+                                            state as its last visit left it (named and hashed in
+                                            checkpoint.json; not part of the block hash)
+
+File names carry their content hash, so a commit writes every new file (of one block, or of all
+M in --mode full) beside the old ones, then replaces checkpoint.json ONCE, then deletes the old
+files: a reader holding the old index never sees its file overwritten, and a crash at any point
+leaves the old or the new checkpoint, never a mix. A local commit holds <dir>/.lock and ends by
+sweeping what killed commits left (temps, files checkpoint.json does not name).
+
+Tied tensors (GPT-2's lm_head.weight = wte.weight) are stored once, in block 0's file. A later
+block that needs one (the head of block M-1) reads just that tensor from block 0's file by name;
+no other block may write it.
+
+The directory may be an object-store URL (s3://bucket/prefix, storage/fs.py). Each file is then
+ONE PUT (atomic: never visible half-written) in the same order: new block file, then
+checkpoint.json (the commit point), then the old file's delete. `init_checkpoint` writes the
+block files straight under the prefix and checkpoint.json last (no directory rename there).
+
+Here: `Checkpoint`, an opened checkpoint (what its index says, reading and hash-checking blocks
+and optimizer states, committing blocks). The format itself (constants, file names, the index,
+atomic file writes) is in preinfer/checkpoint/format.py, creating a checkpoint
+(`init_checkpoint`) in preinfer/checkpoint/init.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors
+from torch import nn
+
+from core import faults
+from core.config import from_dict
+from core.fingerprint import chain, tensors_hash
+from preinfer.checkpoint.format import (
+    INDEX,
+    CheckpointError,
+    _block_file_name,
+    _check_index,
+    _checked_state,
+    _cpu_state,
+    _files,
+    _new_name,
+    _optim_file_name,
+    _record_tokens,
+    _stable_hf,
+    _sweep,
+    _write_block_file,
+    _write_json_atomic,
+    _writer_lock,
+)
+from preinfer.model.adapters import Adapter, get_adapter
+from preinfer.model.modeling import ModelConfig, build_model, materialise
+from preinfer.model.partition import (
+    Partition,
+    block_tensor_names,
+)
+from storage import fs
+
+
+def _read_file(path: Path, names: list[str] | None = None) -> tuple[set[str], dict]:
+    """(every tensor name in the safetensors file at `path`, its tensors named in `names`, all
+    when None, on CPU). An object store is read in one GET; a local file is mapped, not read,
+    so a file as large as a block is held once. Raises FileNotFoundError, SafetensorError."""
+    if fs.is_url(path):
+        tensors = load_safetensors(path.read_bytes())
+        have = set(tensors)
+        names = list(tensors) if names is None else names
+        return have, {n: tensors[n] for n in names if n in have}
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        have = set(f.keys())
+        names = list(f.keys()) if names is None else names
+        return have, {n: f.get_tensor(n) for n in names if n in have}
+
+
+class Checkpoint:
+    """An opened checkpoint directory (read the index; tensors are read by `load`)."""
+
+    def __init__(self, path: Path, index: dict):
+        self.path = fs.path(path)  # a Path, or a RemotePath (s3://...)
+        self.index = index
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        fs.check(path, "checkpoint")
+        p = fs.path(path)
+        if not (p / INDEX).is_file() and not p.is_dir():
+            raise CheckpointError(
+                f"checkpoint {p} does not exist; create it with `preinfer init` (init_checkpoint)"
+            )
+        idx = p / INDEX
+        if not idx.is_file():
+            raise CheckpointError(
+                f"checkpoint {p} is incomplete or not a checkpoint ({INDEX} missing); "
+                "rerun `preinfer init` (remove the directory if it holds something else)"
+            )
+        try:
+            index = json.loads(idx.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"{idx} is not valid JSON ({e}); the checkpoint is damaged"
+            ) from None
+        _check_index(idx, index)
+        return cls(p, index)
+
+    # ---- what the index says ----
+    @property
+    def model_config(self) -> ModelConfig:
+        return from_dict(ModelConfig, self.index["model_config"], "checkpoint.model_config")
+
+    @property
+    def hf_config(self) -> dict | None:
+        return self.index["hf_config"]
+
+    @property
+    def partition(self) -> Partition:
+        return Partition.from_dict(self.index["partition"])
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.index["blocks"])
+
+    num_layers = property(lambda self: self.index["dims"]["num_layers"], doc="L")
+    hidden_size = property(lambda self: self.index["dims"]["hidden_size"], doc="H")
+    vocab_size = property(lambda self: self.index["dims"]["vocab_size"], doc="embedding rows")
+    max_positions = property(
+        lambda self: self.index["dims"]["max_positions"], doc="longest sequence (None: no limit)"
+    )
+
+    @property
+    def model_config_dict(self) -> dict:
+        """The architecture, for cache fingerprints: arch, dims, our model config and the HF
+        config (minus where/with-what-version it was made). Weights are NOT in it (prefix_hash)."""
+        hf = self.index["hf_config"]
+        return {
+            "arch": self.index["arch"],
+            "dims": self.index["dims"],
+            "model_config": self.index["model_config"],
+            "hf_config": None if hf is None else _stable_hf(hf),
+        }
+
+    @property
+    def trained_tokens(self) -> dict | None:
+        """The token store the last commit trained on (a token_record + the committed "blocks");
+        None fresh from init, or committed before the record (or without one)."""
+        return rec if isinstance(rec := self.index.get("tokens"), dict) else None
+
+    @property
+    def tied(self) -> dict[str, str]:
+        return dict(self.index["tied"])
+
+    @property
+    def fresh(self) -> list[str]:
+        """Tensors initialised here although a pretrained checkpoint was given (e.g. MLM head)."""
+        return list(self.index["init"]["fresh"])
+
+    def _check_block(self, b: int) -> int:
+        if not isinstance(b, int) or not 0 <= b < self.num_blocks:
+            raise CheckpointError(f"block {b!r} is out of range 0..{self.num_blocks - 1}")
+        return b
+
+    def block_file(self, b: int) -> Path:
+        return self.path / self.index["blocks"][self._check_block(b)]["file"]
+
+    def block_hash(self, b: int) -> str:
+        """Content hash (sha256 over names, dtypes, shapes, bytes) of block b's tensors."""
+        return self.index["blocks"][self._check_block(b)]["hash"]
+
+    def prefix_hash(self, k: int) -> str:
+        """Chained hash of blocks 0..k-1 (0 <= k <= M): the frozen prefix feeding boundary k.
+        Goes into the activation-cache fingerprint; changes iff one of those blocks changed."""
+        if not 0 <= k <= self.num_blocks:
+            raise CheckpointError(f"prefix length {k} is out of range 0..{self.num_blocks}")
+        return chain("prefix", blocks=[self.block_hash(b) for b in range(k)])
+
+    def summary(self) -> str:
+        part = self.partition
+        sizes = ", ".join(str(a) if z - a == 1 else f"{a}-{z - 1}" for a, z in part.blocks)
+        return (
+            f"{self.index['arch']} L={self.num_layers} H={self.hidden_size} V={self.vocab_size}, "
+            f"{self.num_blocks} blocks (layers {sizes}; params "
+            f"{', '.join(str(p) for p in part.block_params)}), init={self.index['init']['source']}"
+        )
+
+    def block_summaries(self) -> list[str]:
+        """One line per block: layers, what else it holds, parameter count, hash, file."""
+        part, out = self.partition, []
+        for b, blk in enumerate(self.index["blocks"]):
+            first, stop = part.blocks[b]
+            layers = f"layer {first}" if stop - first == 1 else f"layers {first}-{stop - 1}"
+            parts = ["embed"] * (b == 0) + [layers] + ["head"] * (b == part.num_blocks - 1)
+            out.append(
+                f"{' + '.join(parts)}, {blk['num_params']:,} params, hash {blk['hash'][:12]}, "
+                f"{blk['file']}"
+            )
+        return out
+
+    # ---- reading ----
+    def _read(self, b: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Tensors of block b's file (all, or only `names`), read on CPU."""
+        path = self.block_file(b)
+        want = names if names is not None else self.index["blocks"][b]["tensors"]
+        try:
+            have, tensors = _read_file(path, want)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"block {b}'s file {path.name} is missing from {self.path}; the checkpoint is "
+                "damaged (restore it or re-create it with `preinfer init --force`)"
+            ) from None
+        except SafetensorError as e:
+            raise CheckpointError(f"block {b}'s file {path.name} is unreadable: {e}") from None
+        lacking = [n for n in want if n not in have]
+        if lacking or (names is None and have != set(want)):
+            raise CheckpointError(
+                f"block {b}'s file {path.name} does not hold the tensors checkpoint.json "
+                f"lists (missing {lacking[:3]}); the file was replaced or damaged"
+            )
+        return tensors
+
+    def _read_block(self, b: int) -> dict[str, torch.Tensor]:
+        tensors = self._read(b)
+        if tensors_hash(tensors) != self.block_hash(b):
+            raise CheckpointError(
+                f"block {b}'s file {self.block_file(b).name} does not match the hash in "
+                f"{INDEX}: it was modified or replaced; restore it or re-create the checkpoint"
+            )
+        return tensors
+
+    def _block_of(self, name: str) -> int:
+        for b, blk in enumerate(self.index["blocks"]):
+            if name in blk["specs"]:
+                return b
+        raise CheckpointError(f"tensor {name} is in no block of {self.path}")
+
+    def load(
+        self, blocks: Iterable[int] | None = None, device: str | torch.device = "cpu"
+    ) -> tuple[nn.Module, Adapter]:
+        """Build the model on meta and materialise ONLY the listed blocks (None = all), each read
+        from its own file and hash-checked; tied tensors another loaded block needs are read by
+        name from their owner's file. Modules of other blocks stay on meta and refuse to run."""
+        blocks = range(self.num_blocks) if blocks is None else blocks
+        want = sorted({self._check_block(int(b)) for b in blocks})
+        if not want:
+            raise CheckpointError("load() needs at least one block index")
+        model = build_model(self.model_config, device="meta", hf_config=self.hf_config)
+        adapter = get_adapter(model, self.index["arch"])
+        partition = self.partition
+        for b in want:
+            names = sorted(block_tensor_names(adapter, partition, b))
+            if names != self.index["blocks"][b]["tensors"]:
+                raise CheckpointError(
+                    f"block {b}: the model built from {INDEX} owns different tensors than the "
+                    "file lists; the checkpoint was written by an incompatible preinfer version"
+                )
+        loaded: dict[str, torch.Tensor] = {}
+        for b in want:
+            loaded.update(self._read_block(b))
+        # tied aliases inside loaded parts whose owner lives in a block not loaded
+        for alias, owner in self.tied.items():
+            if owner in loaded or partition.block_of_part(*adapter.part_of(alias)) not in want:
+                continue
+            t = self._read(self._block_of(owner), [owner])
+            if tensors_hash(t) != self.index["tied_hashes"][owner]:
+                raise CheckpointError(
+                    f"tied tensor {owner} in block {self._block_of(owner)}'s file does not match "
+                    f"its hash in {INDEX}: the file was modified or replaced"
+                )
+            loaded.update(t)
+        materialise(model, loaded, self.tied, device)
+        return model.eval(), adapter
+
+    def optimizer_state(self, b: int) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """Block b's kept optimizer state, hash-checked: (optimizer, {'<param>::<key>': tensor}),
+        or None when its last commit kept none (train.keep_optimizer_state off)."""
+        entry = self.index["blocks"][self._check_block(b)].get("optim")
+        if entry is None:
+            return None
+        path = self.path / entry["file"]
+        fix = (
+            "restore it, or set train.keep_optimizer_state=false to train the block with a fresh "
+            "optimizer (its next commit drops the saved state)"
+        )
+        try:
+            _, tensors = _read_file(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"block {b}'s optimizer state file {path.name} is missing from {self.path}; {fix}"
+            ) from None
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"block {b}'s optimizer state file {path.name} is unreadable ({e}); {fix}"
+            ) from None
+        if tensors_hash(tensors) != entry["hash"]:
+            raise CheckpointError(
+                f"block {b}'s optimizer state file {path.name} does not match the hash in {INDEX}: "
+                f"it was modified or replaced; {fix}"
+            )
+        return entry["optimizer"], tensors
+
+    def check_files(self, blocks: Iterable[int]) -> None:
+        """The cheap check beside `verify`: refuse (CheckpointError) when a block file the
+        caller will load is missing or damaged (truncated, not safetensors). Its header is
+        read, not its tensors (a stat and a few KB a block); loading checks the hashes.
+        Object-store checkpoints are left to the load (a request per file)."""
+        if fs.is_url(self.path):
+            return
+        fix = (
+            "the checkpoint is damaged: restore the file, or re-create the checkpoint with "
+            "`preinfer init --force` (its trained weights are lost)"
+        )
+        for b in blocks:
+            path = self.block_file(b)
+            if not path.is_file():
+                raise CheckpointError(f"block {b}'s file {path} is missing; {fix}")
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    f.keys()
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(
+                    f"block {b}'s file {path} is damaged (cut short or overwritten: {e}); {fix}"
+                ) from None
+
+    def verify(self) -> None:
+        """Read every block file (and kept optimizer state) and check its hash (raises
+        CheckpointError naming the block)."""
+        for b in range(self.num_blocks):
+            self._read_block(b)
+            self.optimizer_state(b)
+
+    def tidy(self) -> None:
+        """Delete what a commit killed before its end left (old files, temps); a local
+        checkpoint only (an object store's commit deletes its old files itself)."""
+        with _writer_lock(self.path):
+            _sweep(self.path, _files(self.index))
+
+    # ---- writing ----
+    def block_state(self, model: nn.Module, adapter: Adapter, b: int) -> dict[str, torch.Tensor]:
+        """Block b's owned tensors, detached on CPU (views of CPU weights: commit them before the
+        next optimizer step, or clone)."""
+        names = block_tensor_names(adapter, self.partition, self._check_block(b))
+        return _cpu_state(adapter.tensors(), names, f"block {b}")
+
+    def commit_block(self, b: int, tensors: dict[str, torch.Tensor]) -> str:
+        """Make `tensors` block b's new weights; returns the new block hash (commit_blocks)."""
+        return self.commit_blocks({b: tensors})[b]
+
+    def commit_blocks(
+        self,
+        blocks: dict[int, dict[str, torch.Tensor]],
+        *,
+        optim: dict[int, dict[str, torch.Tensor]] | None = None,
+        optimizer: str | None = None,
+        tokens: dict | None = None,
+    ) -> dict[int, str]:
+        """Make `blocks` ({b: tensors}) those blocks' new weights in ONE commit; returns their
+        hashes. optim: each block's optimizer state ({'<param>::<key>': tensor}, made by
+        `optimizer`) kept beside it; without it a committed block's saved state is dropped
+        (it belonged to the old weights). tokens: the token store they were trained on (a
+        token_record; checkpoint_format._record_tokens). Every new file is written aside, then
+        checkpoint.json is replaced once (the commit point), then the files it no longer names
+        are deleted."""
+        if not blocks:
+            raise CheckpointError("commit_blocks needs at least one block")
+        if optim is not None and (set(optim) != set(blocks) or not optimizer):
+            raise CheckpointError(
+                f"commit of blocks {sorted(blocks)}: optimizer state must come for exactly those "
+                f"blocks (got {sorted(optim)}) and name its optimizer (got {optimizer!r})"
+            )
+        new = json.loads(json.dumps(self.index))
+        writes = []  # (file name, tensors, hash), in commit order
+        for b in sorted(blocks):
+            state = _checked_state(self.index, self._check_block(b), blocks[b])
+            digest, entry = tensors_hash(state), new["blocks"][b]
+            if digest != entry["hash"]:
+                writes.append((_new_name(_block_file_name(b, digest), entry), state, digest))
+                entry.update(file=writes[-1][0], hash=digest)
+                for owner in new["tied_hashes"]:
+                    if owner in state:
+                        new["tied_hashes"][owner] = tensors_hash({owner: state[owner]})
+            if optim is None:
+                entry.pop("optim", None)  # the old state belonged to the old weights
+            else:
+                ostate = _cpu_state(optim[b], sorted(optim[b]), f"optimizer state of block {b}")
+                odigest, old = tensors_hash(ostate), entry.get("optim") or {}
+                name = old.get("file")
+                if odigest != old.get("hash"):
+                    name = _new_name(_optim_file_name(b, odigest), old)
+                    writes.append((name, ostate, odigest))
+                entry["optim"] = {"file": name, "hash": odigest, "optimizer": optimizer}
+        _record_tokens(new, sorted(blocks), tokens)
+        hashes = {b: new["blocks"][b]["hash"] for b in blocks}
+        if new == self.index:
+            return hashes  # the same bytes are committed already
+        with _writer_lock(self.path):
+            on_disk = Checkpoint.open(self.path).index
+            if on_disk.get("generation") != self.index.get("generation"):
+                raise CheckpointError(
+                    f"{self.path} changed on disk since it was opened (another writer?); reopen "
+                    "it with Checkpoint.open and retry"
+                )
+            new["generation"] = self.index.get("generation", 0) + 1
+            for name, tensors, digest in writes:
+                # one metadata key: safetensors writes several in a random order
+                _write_block_file(self.path / name, tensors, {"hash": digest})
+                faults.kill_point("checkpoint.file")
+            _write_json_atomic(self.path / INDEX, new)  # the commit point
+            faults.kill_point("checkpoint.index")
+            old_files, self.index = _files(self.index) - _files(new), new
+            for f in sorted(old_files):
+                (self.path / f).unlink(missing_ok=True)
+                faults.kill_point("checkpoint.unlink")
+            _sweep(self.path, _files(new))
+        return hashes

@@ -1,0 +1,1 @@
+"""A run: the root config, one visit's loop and its resumable state, the run directory's lock and state, provenance."""

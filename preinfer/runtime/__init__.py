@@ -1,0 +1,1 @@
+"""The process and its device: compute device and dtype, host-memory settings, memory stats, metrics lines."""
