@@ -1,7 +1,8 @@
-"""The house has one direction: core -> storage -> preinfer (library) -> pipelines -> bench.
+"""The house has one direction: core -> storage -> preinfer (library) -> pipelines -> bench ->
+tools (`make real-model`).
 
-Reads every import (module level and function local) of the product and bench packages with
-`ast`; an import of a higher layer, or a cycle between modules, fails with the file and line.
+Reads every import (module level and function local) of the product, bench and tools packages
+with `ast`; an import of a higher layer, or a cycle between modules, fails with the file and line.
 Run by `make test` and by `make lint`.
 """
 
@@ -11,7 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["core", "storage", "preinfer", "pipelines", "bench"]  # bottom to top
+LAYERS = ["core", "storage", "preinfer", "pipelines", "bench", "tools"]  # bottom to top
 
 
 def _modules() -> dict[str, Path]:
