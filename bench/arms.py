@@ -4,6 +4,7 @@
     rec = run_arm(spec, log_path=work / "a.log")      # the arm in its own process
     rec = run_arm(spec)                               # in this one (peak memory not its own)
     res = in_child("bench.x:fn", spec)                # fn(spec, ask) in a fresh process
+    arm = BlockStep("bcd", cfg, ckpt, block, device)  # one training step, as a visit takes it
 
 An arm is a JSON spec: its runner ("module:function", default preinfer_arm: pipelines.bcd's
 run_bcd in spec["mode"] full, bcd or bcd-recompute; peers' HF arms are bench/peers_arms.py's),
@@ -22,6 +23,7 @@ then {"result": ...}; everything else it prints goes to stderr, the log.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import importlib
@@ -47,12 +49,15 @@ from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.adapters import forward_blocks
-from preinfer.model.loss import evaluate_tokens
+from preinfer.model.loss import evaluate_tokens, mode_loss
+from preinfer.model.partition import trainable_parameters
 from preinfer.run.config import load_config
 from preinfer.run.state import load_run_state
 from preinfer.run.visit import VisitHooks
 from preinfer.runtime.memstats import current_memory_mb, peak_memory_mb, reset_peak_memory
 from preinfer.schedule.rotation import store_budget
+from preinfer.train.batches import CacheBatches, endless
+from preinfer.train.step import build_optimizer, train_step
 from storage.tokens import TokenStore
 
 
@@ -149,6 +154,52 @@ def evaluating(clock: Clock, mem: PeakMemory):
     with mem.paused():
         yield
     clock.excluded += time.perf_counter() - t
+
+
+class BlockStep:
+    """One way of taking a trainer step of block K, as a visit takes it (train_step over
+    mode_loss, preinfer's optimizer): bcd (blocks K.. loaded; its batches from `cache`, or
+    given), bcd-recompute (the frozen prefix rerun without grad) or full (every block trained).
+    `chunk`: the loss's train.loss_chunk (default the config's)."""
+
+    def __init__(self, mode, cfg, ckpt, block, device, *, cache=None, chunk=None):
+        self.mode, self.cfg, self.block, self.device = mode, cfg, block, device
+        self.chunk = cfg.train.loss_chunk if chunk is None else chunk
+        M, self.part = ckpt.num_blocks, ckpt.partition
+        self.model, self.adapter = ckpt.load(range(block if mode == "bcd" else 0, M), device=device)
+        blocks = range(M) if mode == "full" else [block]
+        keep = {id(p): p for b in blocks
+                for p in trainable_parameters(self.model, self.adapter, self.part, b)}  # fmt: skip
+        for p in self.model.parameters():
+            p.requires_grad_(id(p) in keep)
+        self.params = list(keep.values())
+        self.opt = build_optimizer(self.params, cfg.train)
+        B = cfg.train.batch_size
+        bcd_cache = cache is not None and mode == "bcd"  # the other modes read token ids
+        self.cached = endless(CacheBatches(cache, batch_size=B, seed=0)) if bcd_cache else None
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, ckpt.vocab_size, (B, cfg.data.seq_len + 1), generator=g)
+        self.step_i = 0
+
+    def loss(self, x, labels):  # the trainer's own (preinfer.run.visit.Visit.loss)
+        if self.mode == "bcd-recompute" and self.block > 0:  # the frozen prefix, without grad
+            with torch.no_grad():
+                x = forward_blocks(self.adapter, self.part, x, 0, self.block)
+        return mode_loss(self.adapter, self.part, x, labels, mode=self.mode, block=self.block,
+                         chunk=self.chunk)  # fmt: skip
+
+    def batch(self):
+        return next(self.cached) if self.cached else (self.ids[:, :-1], self.ids[:, 1:])
+
+    def step(self, batch=None, precision: str = "auto") -> float:
+        """Seconds of one step of `batch` (default: the arm's next)."""
+        t0 = time.perf_counter()
+        train_step(self.loss, self.params, self.opt, batch or self.batch(), self.cfg.train,
+                   self.step_i, device=self.device, precision=precision)  # fmt: skip
+        self.step_i += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +404,12 @@ def measured(spec: dict, evaluate) -> dict:
     }  # fmt: skip
 
 
+def host() -> dict:
+    """What a results file says of the machine's CPUs and this process's torch threads."""
+    return {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+
+
 def run_arm(spec: dict, *, log_path: Path | None = None) -> dict:
     """One arm (spec: see the module doc; spec["stop"] a Stop or its dict) in its own process,
     its stderr to log_path, or, without log_path, in this one; its record."""
@@ -368,4 +425,6 @@ def run_arm(spec: dict, *, log_path: Path | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    ap = argparse.ArgumentParser(description="The child: fn(spec, ask), the spec read on stdin")
+    ap.add_argument("target", help="module:function")
+    _child(ap.parse_args().target)

@@ -4,29 +4,24 @@
                              [--n 512 --seq 128 --hidden-size 384] [--shard-mb 16 4]
                              [--repeats 5] [--skip-io] [--skip-codecs] [--out results.json]
 
-I/O (bf16, codec none; the values' content does not matter there, so random bf16): the cache
-(CacheWriter.write_shard for every shard + finalize: stats (NaN/inf check and absmax over
-every value, mean/std from a row sample: storage/stats.py), checksums, markers, rename,
-manifest; create timed apart) against plain files of the same bytes, one file per shard,
-written with the same fsync; reads: open_cache + read_rows(0, N) (checksum-verified values,
-labels and sample ids) against np.fromfile + concatenate. Every repeat runs both, in
-alternating order; tables show ratios of the medians of --repeats (>= 5) and of the best
-times, and the CPU-time ratio (process CPU seconds, all threads: the extra work, which other
-jobs on a shared machine disturb far less than wall time). Both with fsync (what a build does)
-and without (os.fsync made a no-op for both sides: page-cache speed).
+I/O (bf16, codec none, random values): the cache (CacheWriter.write_shard for every shard +
+finalize: stats, checksums, markers, renames, manifest; create timed apart) against plain
+files of the same bytes, one a shard, with the same fsync; reads: open_cache + read_rows(0, N)
+against np.fromfile + concatenate. Both sides every repeat, in alternating order; ratios of
+the medians of --repeats (>= 5) and of the best times, and of CPU seconds (all threads: the
+extra work, which other jobs on a shared machine disturb far less than wall time). With fsync
+(what a build does) and without (os.fsync a no-op for both sides: page-cache speed).
 
-Codecs: real hidden states (default: bench/hidden_states.py's MiniLM and random-init GPT-2
-states, computed once and kept under /tmp/preinfer_hidden) through each dtype x codec; bytes
-per value, ratio vs raw bf16, write/read speed, and the error of the lossy (and rounding)
-formats vs the float32 states. --synthetic uses a smooth stand-in instead and every table says
-so. Notes on the results: docs/cache_io.md.
+Codecs: real hidden states (bench/hidden_states.py's MiniLM and random-init GPT-2 states, kept
+under /tmp/preinfer_hidden) through each dtype x codec: bytes per value, ratio vs raw bf16,
+write/read speed, and the error of lossy (and rounding) formats vs the float32 states.
+--synthetic uses a smooth stand-in, and every table says so. Notes: docs/cache_io.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -37,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import headline_table, quiet
-from storage.cache import CacheWriter
+from bench.harness import headline_table, quiet, write_results
+from bench.writer import new_cache
 from storage.config import CacheConfig
 from storage.reader import open_cache
 
@@ -52,6 +47,7 @@ GRID = [  # (dtype, codec, shuffle, level)
     ("int8", "blosc-zstd", "bit", 3), ("fp8_e4m3", "none", "none", 3),
     ("fp8_e4m3", "blosc-zstd", "bit", 3),
 ]  # fmt: skip
+LOGICAL = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def synthetic_hidden(n: int, s: int, h: int, seed: int = 0) -> np.ndarray:
@@ -86,15 +82,9 @@ def value_entropy(x_bf16: torch.Tensor) -> float:
     return _entropy(x_bf16.view(torch.int16).numpy().view(np.uint16).reshape(-1), 65536)
 
 
-def _cfg(dtype, codec, shuffle, level, shard_mb):
-    return CacheConfig(dtype=dtype, codec=codec, shuffle=shuffle, level=level, shard_mb=shard_mb)
-
-
-def _create(root, x, cfg):
-    n, s, h = x.shape
-    ids = np.zeros((n, s), np.int32)
-    return CacheWriter.create(root, "fp", samples=(np.arange(n), ids, ids), seq_len=s,
-                              hidden_size=h, cache_cfg=cfg, meta={"bench": True})  # fmt: skip
+def _create(root, x, dtype, codec, shuffle, level, shard_mb):
+    cfg = CacheConfig(dtype=dtype, codec=codec, shuffle=shuffle, level=level, shard_mb=shard_mb)
+    return new_cache(root, "fp", *x.shape, cfg)
 
 
 def _fill(w, x):
@@ -129,18 +119,11 @@ def _plain_read(d: Path, n_files: int, shape) -> np.ndarray:
     return np.concatenate(parts).reshape(shape)
 
 
-def _timed(f):
-    t0 = time.perf_counter()
-    out = f()
-    return time.perf_counter() - t0, out
-
-
 def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
     """Cache vs plain files, bf16 codec none, medians of `repeats` interleaved runs."""
     g = torch.Generator().manual_seed(0)
     xb = (torch.randn(n, seq, hidden, generator=g) * 3).to(torch.bfloat16)
     bits = xb.view(torch.int16).numpy().view(np.uint16)
-    cfg = _cfg("bf16", "none", "none", 3, shard_mb)
     keys = ("create", "cache_write", "plain_write", "cache_read", "cache_read_values",
             "cache_read_nocheck", "plain_read")  # fmt: skip
     t: dict[str, list[float]] = {k: [] for k in keys}  # wall seconds
@@ -155,7 +138,7 @@ def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
 
     def one_round(r: int) -> int:
         d = tmp / f"io{r}"
-        w = measure("create", lambda: _create(d / "cache", xb, cfg))
+        w = measure("create", lambda: _create(d / "cache", xb, "bf16", "none", "none", 3, shard_mb))
         shards = w.num_shards
         arrays = [bits[slice(*w.shard_range(i))] for i in range(shards)]
         writes = {"cache_write": lambda: _fill(w, xb),
@@ -193,9 +176,6 @@ def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
     }  # fmt: skip
 
 
-LOGICAL = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def rounding_error(x: torch.Tensor, y: torch.Tensor) -> dict | None:
     """Error of y (x rounded to a 16-bit float) vs x, in the manifest's terms."""
     if y.dtype == x.dtype:
@@ -206,12 +186,9 @@ def rounding_error(x: torch.Tensor, y: torch.Tensor) -> dict | None:
 
 
 def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
-    """Every GRID setting on hidden states x (float32 [N, S, H]).
-
-    Lossless dtypes are written from values already in that dtype (the prefix computes in the
-    cache dtype), their error is the rounding of the float32 states; lossy ones from float32
-    (as the pipeline does), their error as the manifest records it.
-    """
+    """Every GRID setting on hidden states x (float32 [N, S, H]). Lossless dtypes are written
+    from values already in that dtype (the prefix computes in the cache dtype), their error is
+    the rounding of the float32 states; lossy ones from float32, their error the manifest's."""
     n, s, h = x.shape
     xt = torch.from_numpy(x)
     xb = xt.to(torch.bfloat16)
@@ -220,17 +197,21 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
     for dtype, codec, shuffle, level in GRID:
         src = xt.to(LOGICAL[dtype]) if dtype in LOGICAL else xt
         root = tmp / f"c_{dtype}_{codec}_{shuffle}_{level}"
-        w = _create(root, src, _cfg(dtype, codec, shuffle, level, shard_mb))
-        dt_w, m = _timed(lambda w=w, src=src: _fill(w, src))
+        w = _create(root, src, dtype, codec, shuffle, level, shard_mb)
+        t0 = time.perf_counter()
+        m = _fill(w, src)
+        dt_w = time.perf_counter() - t0
         c = open_cache(root, "fp")
-        reads = [_timed(lambda c=c: c.read_rows(0, n, None)[0]) for _ in range(3)]
-        got = reads[0][1]
+        reads = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            got = c.read_rows(0, n, None)[0]
+            reads.append(time.perf_counter() - t0)
         if dtype in LOGICAL:
             assert torch.equal(got, src)
         rows.append({"dtype": dtype, "codec": codec, "shuffle": shuffle, "level": level,
                      "bytes_per_value": m["bytes_per_value"], "ratio_vs_bf16": m["ratio_vs_bf16"],
-                     "write_MBps": bf16_mb / dt_w,
-                     "read_MBps": bf16_mb / statistics.median(dt for dt, _ in reads),
+                     "write_MBps": bf16_mb / dt_w, "read_MBps": bf16_mb / statistics.median(reads),
                      "error": rounding_error(xt, src) if dtype in LOGICAL else m["error"]})  # fmt: skip
         shutil.rmtree(root)
     return {"name": name, "shape": [n, s, h], "std": float(x.std()),
@@ -262,8 +243,7 @@ def run(hidden=None, synthetic=False, n=512, seq=128, hidden_size=384, shard_mbs
                                    "path": str(path)})  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    res["repeats"] = repeats
-    res["load_after"] = os.getloadavg()
+    res["repeats"], res["load_after"] = repeats, os.getloadavg()
     head = {}
     for r in res["io"]:
         tag = f"{r['shard_mb']:g} MiB shards{'' if r['fsync'] else ', no fsync'}"
@@ -305,17 +285,14 @@ def markdown(res: dict) -> str:
         ratios = lambda k: ", ".join(f"{r[k]:.2f}" for r in res["io"])  # noqa: E731
         lines += [
             f"I/O: bf16, codec none, {res['io'][0]['MiB']:.0f} MiB of values, {res['repeats']} "
-            "interleaved runs. Ratio = cache throughput / plain-file throughput (target >= 0.7): "
-            "of the median times, and of the best times; CPU = process CPU seconds (all threads, "
-            "user + system) of the cache / of the plain files (load-independent extra work).", "",
-            headline_table(rows), "",
-            "write = write_shard for every shard + finalize (stats, checksums, markers, renames, "
-            "manifest) vs one plain file per shard with the same fsync; create (samples.parquet, "
-            "zarr.json, build.json, once per cache) is apart: with it the median write ratios are "
-            f"{ratios('write_ratio_incl_create')}. read = open_cache + read_rows(0, N) "
-            "(checksum-verified values, labels, ids) vs np.fromfile + concatenate; values only "
-            f"(read_stored): {ratios('read_values_ratio')}; check_reads=False: "
-            f"{ratios('read_nocheck_ratio')} (same row order as the table).", "",
+            "interleaved runs. Ratio = cache throughput / plain-file throughput (target >= 0.7), "
+            "of the median and of the best times; CPU = process CPU seconds of the cache / of "
+            "the plain files.", "", headline_table(rows), "",
+            "write = write_shard for every shard + finalize vs one plain file per shard with the "
+            "same fsync; with create (once per cache) the median write ratios are "
+            f"{ratios('write_ratio_incl_create')}. read = open_cache + read_rows(0, N) vs "
+            f"np.fromfile; values only (read_stored): {ratios('read_values_ratio')}; "
+            f"check_reads=False: {ratios('read_nocheck_ratio')} (in the table's row order).", "",
         ]  # fmt: skip
     for src in res["sources"]:
         n, s, h = src["shape"]
@@ -346,12 +323,9 @@ def markdown(res: dict) -> str:
         ]  # fmt: skip
     if res["sources"]:
         lines.append(
-            "MB/s in the codec tables = raw bf16 bytes of the values (2 per value) per second: "
-            "write = write_shard for every shard + finalize (stats, encode, checksums, fsync), "
-            "from values in the cache dtype (lossless) or float32 (int8/fp8, as the pipeline "
-            "feeds them); read = read_rows of all rows (median of 3). Errors are vs the float32 "
-            "states (bf16/fp16: rounding; int8/fp8: lossy, per-token scale). Speeds on a shared "
-            "2-core machine: indicative only.")  # fmt: skip
+            "MB/s in the codec tables = raw bf16 bytes of the values per second (read: median of "
+            "3 read_rows of all rows). Errors are vs the float32 states (bf16/fp16: rounding; "
+            "int8/fp8: lossy, per-token scale). Speeds on a shared machine: indicative only.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -379,7 +353,7 @@ def main(argv=None) -> dict:
               io=not a.skip_io, codec_table=not a.skip_codecs, samples=a.samples)  # fmt: skip
     print(markdown(res))
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        write_results(Path(a.out), res)
     return res
 
 

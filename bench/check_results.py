@@ -23,7 +23,8 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT
+
 MAX_ROWS = 8  # issue #43: the front page's headline table
 NUM = re.compile(r"(?<![\w.])[-+\u2212]?\d+(?:\.\d+)?%?")
 FILE = re.compile(r"bench/results/([\w.\-]+)")

@@ -4,24 +4,16 @@
     python -m bench.economics                    # 3 seeds, the layers-heavy model (~1 h, 2 CPUs)
     python -m bench.economics --epochs 1 4 --M 3 6
 
-Arms, from one token store and one init checkpoint per seed, each in its own process
-(bench/arms.py, the study's arm runner; --inline: in this one):
-  full           every parameter, its own step budget (Scale.full_cap, the same for every M)
-  bcd            the rotation with the cache (train.epochs passes over each round's rows)
-  bcd-recompute  the same rotation, prefix rerun on every step, same visits as bcd
-with the product's defaults: each arm's clock includes everything the product does (cache
-builds and refreshes, visits, commits) and excludes every evaluation (the visits' own and the
-benchmark's whole-val ones, after every visit and for full every steps_per_visit steps). The
-B-F studies of one option against another, to the plateau and lr-swept, are
-`python -m bench.study --variant ...`.
-
-Per arm: whole-val ppl against wall-clock and against FLOPs, time to full's final whole-val
-ppl, the cache share of bcd's time, the fixed part of each build, and the cost model's
-predicted time (preinfer.plan.costmodel FLOPs x the seconds per FLOP of this machine's full arm)
-beside the measured one. Medians over all seeds, a seed that did not reach full's ppl counted
-as not reached (harness.spread), with "n of N reached". The model is chosen so the layers outweigh the
-LM head (H=256, 6 layers, V=2048: the head is ~10% of a full step's FLOPs); at the demo's
-H=128, V=2048 the head costs more than a layer and BCD cannot save it.
+Arms, from one token store and init checkpoint per seed, each in its own process (study's
+run_one; --inline: this one): full (every parameter, full_cap steps for every M), bcd (the
+rotation with the cache, train.epochs passes over a round's rows), bcd-recompute (the same
+visits, prefix rerun every step). Clocks hold everything the product does, less every
+evaluation. Per arm: whole-val ppl against seconds and FLOPs, time to full's final ppl, the
+cache share of bcd's time, the fixed part of each build, and preinfer.plan.costmodel's predicted
+time beside the measured one; medians over all seeds (harness.spread, "n of N reached").
+H=256, 6 layers, V=2048 so the layers outweigh the LM head (~10% of a full step's FLOPs; at the
+demo's H=128 the head costs more than a layer and BCD cannot save it). docs/economics.md has
+the results; lr-swept studies of one option against another are `bench.study --variant`.
 """
 
 from __future__ import annotations
@@ -29,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -37,19 +28,13 @@ from pathlib import Path
 
 import torch
 
-from bench.arms import Stop
-from bench.harness import (
-    first_reach,
-    headline_table,
-    load_average,
-    results_path,
-    spread,
-    write_results,
-)
+from bench import harness as h
+from bench.arms import Stop, host
 from bench.study import LAYERS_HEAVY, LAYOUTS, TINY, Arm, Scale, init_dir, run_one
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.shape import model_shape
 from preinfer.plan.costmodel import Flops, run_flops
+from storage.atomic import write_json
 
 # full_cap: full's own step budget (no patience: it runs them all); lrs[0]: every arm's lr;
 # val_batches=0: the whole val split
@@ -75,17 +60,17 @@ def predict(arms: list[dict], sc: Scale, work: Path, layout: str, M: int) -> Non
     """Cost-model time of each arm: its FLOPs x the seconds per FLOP of the full arm."""
     ckpt = Checkpoint.open(init_dir(work, layout, M, arms[1]["seed"]))  # this M's partition
     fl = Flops(sh=model_shape(ckpt.model_config), part=ckpt.partition, seq=sc.seq_len)
+
+    def flops(a: dict, visits) -> dict:
+        return run_flops(fl, a["mode"], visits, tokens_per_step=a["tokens_per_step"],
+                         cached_rows=a["rows"], val_rows=a["val_rows"])  # fmt: skip
+
     for a in arms:
-        a["flops"] = run_flops(fl, a["mode"], a["visits"], tokens_per_step=a["tokens_per_step"],
-                               cached_rows=a["rows"], val_rows=a["val_rows"])  # fmt: skip
+        a["flops"] = flops(a, a["visits"])
         for p in a["curve"]:  # FLOPs at each curve point: the visits up to it
-            done = [
-                v for v, c in zip(a["visits"], a["curve"], strict=False) if c["steps"] <= p["steps"]
-            ]
-            if a["mode"] == "full":
-                done = [(0, p["steps"])]
-            p["flops"] = run_flops(fl, a["mode"], done, tokens_per_step=a["tokens_per_step"],
-                                   cached_rows=a["rows"], val_rows=a["val_rows"])["total"]  # fmt: skip
+            done = [v for v, c in zip(a["visits"], a["curve"], strict=False)
+                    if c["steps"] <= p["steps"]]  # fmt: skip
+            p["flops"] = flops(a, [(0, p["steps"])] if a["mode"] == "full" else done)["total"]
     full = next(a for a in arms if a["mode"] == "full")
     s_per_flop = full["seconds"] / full["flops"]["total"]
     for a in arms:
@@ -112,7 +97,7 @@ def study(sc: Scale, work: Path, layout: str, M: int, epochs: float, log=print,
             full = json.loads(memo.read_text())
         else:
             full = arm(sc, work, layout, "full", M, seed, epochs, Stop(), inline)
-            memo.write_text(json.dumps(full))
+            write_json(memo, full)  # NaN stays a float (a cache, not a results file)
         log(f"  M={M} E={epochs:g} seed {seed}: full {full['steps']} steps {full['seconds']:.0f}s "
             f"ppl {full['final_ppl']:.1f}")  # fmt: skip
         cap = math.ceil(sc.bcd_factor * sc.full_cap)
@@ -122,8 +107,8 @@ def study(sc: Scale, work: Path, layout: str, M: int, epochs: float, log=print,
                         Stop(max_visits=len(cache["curve"])), inline)  # fmt: skip
         arms = [full, cache, recompute]
         predict(arms, sc, work, layout, M)
-        hit = first_reach(cache["curve"], full["final_ppl"])
-        hit_r = first_reach(recompute["curve"], full["final_ppl"])
+        hit = h.first_reach(cache["curve"], full["final_ppl"])
+        hit_r = h.first_reach(recompute["curve"], full["final_ppl"])
         row = {
             "seed": seed, "arms": arms,
             "cache_to_full_time": hit["seconds"] / full["seconds"] if hit else None,
@@ -142,30 +127,29 @@ def study(sc: Scale, work: Path, layout: str, M: int, epochs: float, log=print,
         per_seed.append(row)
     keys = ("cache_to_full_time", "recompute_to_full_time", "bf_multiplier",
             "cache_over_recompute", "cache_share", "fixed_share", "break_even_passes")  # fmt: skip
-    med = {k: spread([r[k] for r in per_seed])["median"] for k in keys}  # None: not reached
-    med.update({f"prediction_error_{m}": spread([r["prediction_error"][m] for r in per_seed])
+    med = {k: h.spread([r[k] for r in per_seed])["median"] for k in keys}  # None: not reached
+    med.update({f"prediction_error_{m}": h.spread([r["prediction_error"][m] for r in per_seed])
                 ["median"] for m in MODES})  # fmt: skip
     med["reached"] = sum(r["reached"] for r in per_seed)
     return {"M": M, "epochs": epochs, "seeds": per_seed, "median": med}
 
 
 def render(res: dict) -> str:
+    def f(v, fmt="{:.2f}"):
+        return "n/a" if v is None else fmt.format(v)
+
     rows = [("M", "passes/visit", "bcd time to full's ppl / full", "B-F multiplier",
              "bcd / recompute (same visits)", "pre-inference share", "fixed / build",
              "break-even passes", "cost model error (bcd, recompute)", "seeds reaching")]  # fmt: skip
     for s in res["studies"]:
         m = s["median"]
-
-        def f(v, fmt="{:.2f}"):
-            return "n/a" if v is None else fmt.format(v)
-
         rows.append((str(s["M"]), f"{s['epochs']:g}", f(m["cache_to_full_time"]),
                      f(m["bf_multiplier"]), f(m["cache_over_recompute"]),
                      f(m["cache_share"], "{:.0%}"), f(m["fixed_share"], "{:.0%}"),
                      f(m["break_even_passes"]),
                      f"{m['prediction_error_bcd']:+.0%}, {m['prediction_error_bcd-recompute']:+.0%}",
                      f"{m['reached']} of {len(s['seeds'])} reached"))  # fmt: skip
-    return headline_table(rows)
+    return h.headline_table(rows)
 
 
 def main(argv=None) -> dict:
@@ -186,32 +170,25 @@ def main(argv=None) -> dict:
                     help="run the arms in this process (peak memory then not each arm's own)")  # fmt: skip
     a = ap.parse_args(argv)
     sc = replace(SMALLEST if a.tiny else QUICK if a.quick else DEFAULT)
-    if a.seeds is not None:
-        sc.seeds = a.seeds
+    sc.seeds = a.seeds if a.seeds is not None else sc.seeds
     if a.threads:
         torch.set_num_threads(a.threads)
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="economics-")
     work = Path(a.work or tmp.name)
-    t0 = time.perf_counter()
-    load0 = load_average()
+    t0, load0 = time.perf_counter(), h.load_average()
     studies = [study(sc, work, a.arch, M, e, inline=a.inline) for M in a.M for e in a.epochs]
     res = {"scale": asdict(sc), "studies": studies, "load_start": load0,
-           "load_end": load_average(), "seconds": time.perf_counter() - t0,
-           "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "arch": a.arch,
-           "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+           "load_end": h.load_average(), "seconds": time.perf_counter() - t0, "arch": a.arch,
+           **host()}  # fmt: skip
     res["table"] = render(res)
-    print(res["table"])
     print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
-    out = Path(
-        a.out or results_path("economics" + ("-quick" if a.quick else "-tiny" if a.tiny else ""))
-    )
-    write_results(out, res)
+    name = "economics" + ("-quick" if a.quick else "-tiny" if a.tiny else "")
+    out = h.publish(res, res["table"], a.out, name)
     if tmp is not None:
         tmp.cleanup()
     m = studies[0]["median"]
-    return {"headline": {"cache_to_full_time": m["cache_to_full_time"],
-                         "cache_over_recompute": m["cache_over_recompute"],
-                         "cache_share": m["cache_share"]}, "results": str(out)}  # fmt: skip
+    return {"headline": {k: m[k] for k in ("cache_to_full_time", "cache_over_recompute",
+                                           "cache_share")}, "results": str(out)}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from bench.harness import ROOT, quiet
+from bench.harness import ROOT, quiet, write_results
 
 NEEDED = ["torch", "ray", "zarr", "numcodecs", "pyarrow", "datasets", "transformers",
           "tokenizers", "safetensors", "yaml", "tqdm", "numpy", "psutil", "pytest"]  # fmt: skip
@@ -156,7 +155,7 @@ def main(argv=None) -> dict:
         print(f"gpu_check {name}: {'ok' if res[name].get('ok') else 'FAILED'} "
               f"({res[name]['seconds']:.0f}s)", flush=True)  # fmt: skip
     path = out / "gpu_check.json"
-    path.write_text(json.dumps(res, indent=1, default=str))
+    write_results(path, res)
     print(f"gpu_check: {path}")
     return res
 

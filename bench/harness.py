@@ -1,7 +1,7 @@
-"""What every benchmark shares, pure (no torch, no pipeline): where results go, the machine's
-load, a markdown table, and the arithmetic on curves and seeds (bench/arms.py runs the arms).
-
-A curve is a list of points {"steps", "seconds", "ppl" and/or "loss", ...} in training order.
+"""What every benchmark shares, pure (no torch, no pipeline): where results go (written
+atomically), the machine's load, a markdown table, arms timed interleaved, and the arithmetic on
+curves and seeds (bench/arms.py runs the arms). A curve is a list of points {"steps",
+"seconds", "ppl" and/or "loss", ...} in training order.
 
     spread(values)                    THE summary of per-seed (or repeated) figures: one rule
     first_reach(curve, target, key)   the first point at or below a target
@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
+from storage.atomic import write_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -32,26 +34,35 @@ def results_path(name: str) -> Path:
     return RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def _clean(o):
+def clean(o):
+    """o with every non-finite float as a string (JSON has none), keys as strings."""
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
     if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
+        return {str(k): clean(v) for k, v in o.items()}
     if isinstance(o, list | tuple):
-        return [_clean(v) for v in o]
+        return [clean(v) for v in o]
     return o
 
 
 def write_results(path: Path, res: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(res), indent=1, default=str))
+    write_bytes(path, json.dumps(clean(res), indent=1, default=str).encode())
+    return path
+
+
+def publish(res: dict, text: str, out: str | None, name: str) -> Path:
+    """Print a bench's table; write its results to `out` or bench/results/<name>-<time>.json."""
+    print(text)
+    path = write_results(Path(out) if out else results_path(name), res)
+    print(f"results: {rel(path)}")
     return path
 
 
 def without_paths(res: dict, labels: dict[str, str]) -> dict:
     """res with every occurrence of each machine path replaced by its label ({"/tmp/x": "<work>"}),
     so a results file names no directory of the machine that wrote it. Longer paths first."""
-    text = json.dumps(_clean(res), default=str)
+    text = json.dumps(clean(res), default=str)
     for path, label in sorted(labels.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(json.dumps(path)[1:-1], label)
     return json.loads(text)
@@ -179,6 +190,20 @@ def select_lr(runs: dict[float, list[dict]], score: str, tie: str | None = None)
     return {"lr": lr, "median": None if math.isinf(by_lr[lr]) else by_lr[lr],
             "edge": len(grid) > 1 and lr in (grid[0], grid[-1]),
             "by_lr": {k: (None if math.isinf(v) else v) for k, v in sorted(by_lr.items())}}  # fmt: skip
+
+
+def interleaved(arms: dict, repeats: int, warm_up: bool = True) -> dict[str, list]:
+    """{name: [what arms[name]() returned, per repeat]}: each arm once untimed first (kernels
+    per shape, pools), then `repeats` rounds in A B / B A order, so a drift of the machine's
+    speed lands on every arm alike."""
+    if warm_up:
+        for fn in arms.values():
+            fn()
+    out: dict[str, list] = {k: [] for k in arms}
+    for r in range(repeats):
+        for k in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+            out[k].append(arms[k]())
+    return out
 
 
 def interleave(items: list, shift: int) -> list:

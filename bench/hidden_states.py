@@ -5,18 +5,15 @@
 
 minilm: the pretrained MiniLM-L6 (configs/minilm.yaml, its own WordPiece tokenizer) over the
 built-in corpus; gpt2: the randomly initialised GPT-2 layout of configs/demo.yaml. Each runs
-the project's own stages (tokenize, init) in a run directory under --out, loads blocks
-[0, K) of the checkpoint and computes the hidden state entering block K in float32 (default
-K = ceil(M / 2), a middle boundary; M = partition.num_blocks = 3 in both configs, so K = 2).
-Outputs `<out>/<model>_d<docs>_s<S>_n<samples>_k<K|mid>.npy` and a .json beside it saying what
-it holds (N may be below --samples if the corpus is short); an existing output is reused
-(delete it to recompute).
+the project's own stages (tokenize, init) in a run directory under --out and computes the
+hidden state entering block K in float32 (default K = ceil(M / 2), a middle boundary).
+Outputs `<out>/<model>_d<docs>_s<S>_n<samples>_k<K|mid>.npy` (N may be below --samples if the
+corpus is short) and a .json beside it; an existing output is reused (delete it to recompute).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -24,21 +21,14 @@ import numpy as np
 import torch
 
 from bench.harness import ROOT, quiet
+from storage.atomic import write_file, write_json
 
 CONFIGS = {"minilm": "configs/minilm.yaml", "gpt2": "configs/demo.yaml"}
 DEFAULT_OUT = Path("/tmp/preinfer_hidden")
 
 
-def generate(
-    model: str,
-    out: Path = DEFAULT_OUT,
-    *,
-    samples: int = 256,
-    docs: int = 40,
-    seq_len: int = 128,
-    boundary: int | None = None,
-    log=print,
-) -> Path:
+def generate(model: str, out: Path = DEFAULT_OUT, *, samples: int = 256, docs: int = 40,
+             seq_len: int = 128, boundary: int | None = None, log=print) -> Path:  # fmt: skip
     """Path of the .npy of `model`'s hidden states (computed unless already there)."""
     from pipelines.init import run_init
     from pipelines.tokenize import run_tokenize
@@ -51,11 +41,9 @@ def generate(
     path = out / f"{tag}.npy"
     if path.exists():
         return path
-    run_dir = out / f"run_{model}_d{docs}_s{seq_len}"
-    cfg = load_config(
-        ROOT / CONFIGS[model],
-        [f"run.dir={run_dir}", f"data.max_documents={docs}", f"data.seq_len={seq_len}"],
-    )
+    over = [f"run.dir={out / f'run_{model}_d{docs}_s{seq_len}'}", f"data.max_documents={docs}",
+            f"data.seq_len={seq_len}"]  # fmt: skip
+    cfg = load_config(ROOT / CONFIGS[model], over)
     store = run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
     ckpt = Checkpoint.open(cfg.run.checkpoint)
@@ -68,31 +56,17 @@ def generate(
     net, adapter = ckpt.load(range(k))
     ids = torch.from_numpy(store.read("train", 0, n)[:, :seq_len].astype(np.int64))
     with torch.inference_mode():
-        parts = [
-            forward_blocks(adapter, ckpt.partition, ids[i : i + 16], 0, k).float()
-            for i in range(0, n, 16)
-        ]
+        parts = [forward_blocks(adapter, ckpt.partition, ids[i : i + 16], 0, k).float()
+                 for i in range(0, n, 16)]  # fmt: skip
     hidden = torch.cat(parts).numpy()
     out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, hidden)
-    tmp.replace(path)
-    info = {
-        "model": model,
-        "config": CONFIGS[model],
-        "arch": cfg.model.arch,
-        "pretrained": cfg.model.checkpoint is not None,
-        "boundary": k,
-        "num_blocks": m,
-        "shape": list(hidden.shape),
-        "dtype": "float32",
-        "docs": docs,
-        "seq_len": seq_len,
-        "absmax": float(np.abs(hidden).max()),
-        "std": float(hidden.std()),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-    path.with_suffix(".json").write_text(json.dumps(info, indent=1))
+    write_file(path, lambda f: np.save(f, hidden))
+    info = {"model": model, "config": CONFIGS[model], "arch": cfg.model.arch,
+            "pretrained": cfg.model.checkpoint is not None, "boundary": k, "num_blocks": m,
+            "shape": list(hidden.shape), "dtype": "float32", "docs": docs, "seq_len": seq_len,
+            "absmax": float(np.abs(hidden).max()), "std": float(hidden.std()),
+            "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    write_json(path.with_suffix(".json"), info)
     log(f"{model}: wrote {path} {hidden.shape} ({info['seconds']} s)")
     return path
 
@@ -112,11 +86,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     written = {}
     for m in a.model:
-        p = generate(
-            m, a.out, samples=a.samples, docs=a.docs, seq_len=a.seq_len, boundary=a.boundary
-        )
-        print(p)
-        written[m] = str(p)
+        written[m] = str(generate(m, a.out, samples=a.samples, docs=a.docs, seq_len=a.seq_len,
+                                  boundary=a.boundary))  # fmt: skip
+        print(written[m])
     return {"hidden_states": written}
 
 

@@ -14,11 +14,10 @@
 
 Without the real model or the `real` extra (badam, peft) it prints why and returns
 {"skipped": ...}. The model (default models/smollm2-135m-instruct, `make real-model`: LLaMA
-layout, tied) is fine-tuned on prompt/response pairs from the stdlib's docstrings ("What does
-`module.name` do?" -> its first paragraph; 1,200 in a fixed hash order, sha256 recorded; or
---data sitepkgs, the held-out set). One token store (configs/finetune.yaml, the loss on
-response tokens) and one init checkpoint serve every arm; each arm runs in its own process
-(bench/arms.py, the arm runner of study and economics too). Arms:
+layout, tied) is fine-tuned on prompt/response pairs from the stdlib's docstrings (1,200 in a
+fixed hash order, sha256 recorded; --data sitepkgs: the held-out set). One token store
+(configs/finetune.yaml, loss on response tokens) and one init checkpoint serve every arm, each
+in its own process (bench/arms.py). Arms:
 
   bcd            preinfer's rotation with the cache (run_bcd, the product's defaults, M blocks
                  ascending, train.cache_visits M: each visit its own rows)
@@ -29,20 +28,16 @@ response tokens) and one init checkpoint serve every arm; each arm runs in its o
   badam-blocks   the same over preinfer's M blocks, steps per visit steps per block
   lora           PyPI peft, r 16, alpha 32, "all-linear"
 
-Every arm reads the same batches (the HF arms those bcd-recompute reads for visit (r, k):
-preinfer.train.batches.TokenBatches over the visit's rows), the same steps, batch, weight decay
-1e-5, clipping 1.0, one warmup + cosine over the run, fp32 (bf16 matmuls are ~50x slower on an
-AVX2 CPU), the LM head on response positions only. Measured after every visit: val loss (the
-first eval_batches x batch val rows, preinfer.model.loss.evaluate_tokens; the bcd arms' by `preinfer
-eval` of their checkpoint, in the parent while the arm waits) against training seconds (less
-every evaluation), and each arm's peak RSS (VmHWM polled every 10 ms, paused around the
-bench's evaluations). The full form sweeps each arm's lr on the first seed, then runs the
-others at each arm's best (lowest final val loss). Targets (#27): bcd's wall-clock to BAdam's
-final val loss / BAdam's (<= 0.8), bcd's val loss at full's wall-clock / full's (<= 1.0), bcd's
-peak RSS / BAdam's (<= 1.0); a curve point is a visit's end. Medians over all seeds, a seed that
-did not reach counted as not reached (harness.spread: "n of N reached"); a target whose median
-is not reached is missed. One torch thread per arm by default (--threads): on 2 busy CPUs two
-threads wait on each other.
+Every arm reads the same batches (those bcd-recompute reads for visit (r, k)), the same steps,
+batch, weight decay 1e-5, clipping 1.0, one warmup + cosine over the run, fp32 (bf16 matmuls
+are ~50x slower on an AVX2 CPU), the LM head on response positions only. After every visit: val loss (the first eval_batches x batch val rows;
+the bcd arms' by `preinfer eval` of their checkpoint, in the parent) against training seconds
+(less every evaluation), and each arm's peak RSS. The full form sweeps each arm's lr on the
+first seed (best: lowest final val loss), then runs the other seeds at it. Targets (#27): bcd's
+wall-clock to BAdam's final val loss / BAdam's (<= 0.8), bcd's val loss at full's wall-clock /
+full's (<= 1.0), bcd's peak RSS / BAdam's (<= 1.0); medians over all seeds (harness.spread: a
+target whose median is not reached is missed).
+One torch thread per arm by default (--threads): on 2 busy CPUs two threads wait on each other.
 """
 
 from __future__ import annotations
@@ -50,7 +45,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
@@ -61,21 +55,8 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from bench.arms import run_arm
-from bench.harness import (
-    ROOT,
-    first_reach,
-    headline_table,
-    interleave,
-    load_average,
-    reached,
-    results_path,
-    select_lr,
-    show,
-    spread,
-    without_paths,
-    write_results,
-)
+from bench import harness as h
+from bench.arms import host, run_arm
 from bench.peers_arms import (
     ARMS,
     BCD_ARMS,
@@ -87,9 +68,6 @@ from bench.peers_arms import (
     missing_parts,
     prepare_peers,
 )
-
-# ---------------------------------------------------------------------------------------------
-# The study
 
 
 def loss_at(curve: list[dict], seconds: float) -> float:
@@ -104,7 +82,7 @@ def targets(runs: dict[str, dict]) -> dict:
     for b in ("badam-layers", "badam-blocks"):
         if b not in runs:
             continue
-        hit = first_reach(bcd["curve"], runs[b]["final_loss"], "loss")
+        hit = h.first_reach(bcd["curve"], runs[b]["final_loss"], "loss")
         out[f"bcd_time_to_{b}_loss"] = hit["seconds"] / runs[b]["seconds"] if hit else None
         out[f"bcd_peak_over_{b}"] = bcd["peak_rss_mb"] / runs[b]["peak_rss_mb"]
         # the same steps: where bcd ends level with b, the time to b's loss hangs on ~1e-3
@@ -144,8 +122,8 @@ def render(res: dict) -> str:
     rows = [("arm", "lr", "val loss: start -> final (median [min, max])", "train s (median)",
              "peak RSS MiB (growth)", "trainable params", "steps", "load at start")]  # fmt: skip
     for arm, s in res["arms"].items():
-        rows.append((arm, f"{s['lr']:g}", f"{s['start_loss']:.4f} -> {show(s['final_loss'], '{:.4f}')}",
-                     show(s["seconds"], "{:.0f}"),
+        rows.append((arm, f"{s['lr']:g}", f"{s['start_loss']:.4f} -> {h.show(s['final_loss'], '{:.4f}')}",
+                     h.show(s["seconds"], "{:.0f}"),
                      f"{s['peak_rss_mb']['median']:.0f} ({s['peak_growth_mb']['median']:.0f})",
                      s["trainable"], str(s["steps"]), str(s["load_start"])))  # fmt: skip
     t = [("target (issue #27)", "median [min, max]", "seeds", "target", "met")]
@@ -155,12 +133,14 @@ def render(res: dict) -> str:
             continue
         met = "" if ok is None else ("yes" if s["median"] is not None and ok(s["median"]) else "NO")
         f = "{:+.4f}" if key.startswith("bcd_minus") else "{:.3f}"
-        t.append((what, show(s, f), reached(s) if "time_to" in key else str(s["of"]), goal, met))
+        t.append(
+            (what, h.show(s, f), h.reached(s) if "time_to" in key else str(s["of"]), goal, met)
+        )
     sweep = [("arm", "lr", "seed", "final val loss", "train s", "peak RSS MiB", "load at start")]
     for r in res["runs"]:
         sweep.append((r["arm"], f"{r['lr']:g}", str(r["seed"]), f"{r['final_loss']:.4f}",
                       f"{r['seconds']:.0f}", f"{r['peak_rss_mb']:.0f}", str(r["load_start"])))  # fmt: skip
-    return "\n\n".join(headline_table(x) for x in (rows, t, sweep))
+    return "\n\n".join(h.headline_table(x) for x in (rows, t, sweep))
 
 
 def _trainable(run: dict) -> str:
@@ -179,10 +159,10 @@ def summarise(runs: list[dict], best: dict[str, float], seeds: list[int]) -> dic
         arms[a] = {
             "lr": best[a], "seeds": [r["seed"] for r in rs],
             "start_loss": rs[0]["curve"][0]["loss"],
-            "final_loss": spread([r["final_loss"] for r in rs]),
-            "seconds": spread([r["seconds"] for r in rs]),
-            "peak_rss_mb": spread([r["peak_rss_mb"] for r in rs]),
-            "peak_growth_mb": spread([r["peak_growth_mb"] for r in rs]),
+            "final_loss": h.spread([r["final_loss"] for r in rs]),
+            "seconds": h.spread([r["seconds"] for r in rs]),
+            "peak_rss_mb": h.spread([r["peak_rss_mb"] for r in rs]),
+            "peak_growth_mb": h.spread([r["peak_growth_mb"] for r in rs]),
             "trainable": _trainable(rs[0]), "steps": rs[0]["steps"],
             "load_start": rs[0]["load_start"], "schedule": rs[0]["schedule"],
         }  # fmt: skip
@@ -194,7 +174,7 @@ def summarise(runs: list[dict], best: dict[str, float], seeds: list[int]) -> dic
             per_seed.append({"seed": s, **targets(by_arm)})
     keys = sorted({k for t in per_seed for k in t if k != "seed"})
     return {"arms": arms, "per_seed": per_seed,
-            "targets": {k: spread([t.get(k) for t in per_seed]) for k in keys}}  # fmt: skip
+            "targets": {k: h.spread([t.get(k) for t in per_seed]) for k in keys}}  # fmt: skip
 
 
 def main(argv=None) -> dict:
@@ -273,7 +253,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(a.threads)  # this process's evaluations (the bcd arms' too)
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="peers-")
     work = Path(a.work or tmp.name).resolve()
-    t0, load0 = time.perf_counter(), load_average()
+    t0, load0 = time.perf_counter(), h.load_average()
     print(f"peers: {a.model} ({'quick' if a.quick else 'full'}), arms {' '.join(a.arms)}, "
           f"seeds {sc.seeds}, load average {load0}")  # fmt: skip
     prep = prepare_peers(sc, work, a.model)
@@ -308,7 +288,7 @@ def main(argv=None) -> dict:
         r["made_by"] = made_by
         runs.append(r)
         # each run's record as soon as it ends: a bench stopped midway keeps what ran
-        write_results(record, r)
+        h.write_results(record, r)
         print(f"  {arm:>13} lr {lr:<7g} seed {seed}: val loss {r['curve'][0]['loss']:.4f} -> "
               f"{r['final_loss']:.4f} in {r['seconds']:.0f}s train, peak RSS "
               f"{r['peak_rss_mb']:.0f} MiB, load {r['load_start']}", flush=True)  # fmt: skip
@@ -326,14 +306,14 @@ def main(argv=None) -> dict:
                 f.result()
 
     def order(i: int) -> list[str]:  # arms interleaved, the order rotated per seed
-        return interleave([x for x in ARMS if x in a.arms], i)
+        return h.interleave([x for x in ARMS if x in a.arms], i)
 
     # seed 0: every lr of every swept arm, lrs interleaved across arms; then bcd-recompute at
     # bcd's best lr (its role is the same visits without the cache, not its own tuning)
     sweep = [x for x in order(0) if x != "bcd-recompute"]
     batch([(arm, sc.lrs[arm][i], sc.seeds[0]) for i in range(max(len(sc.lrs[x]) for x in sweep))
            for arm in sweep if i < len(sc.lrs[arm])])  # fmt: skip
-    best = {arm: select_lr({r["lr"]: [r] for r in runs if r["arm"] == arm}, "final_loss")["lr"]
+    best = {arm: h.select_lr({r["lr"]: [r] for r in runs if r["arm"] == arm}, "final_loss")["lr"]
             for arm in sweep}  # fmt: skip
     later = []
     if "bcd-recompute" in a.arms:
@@ -346,19 +326,16 @@ def main(argv=None) -> dict:
     summary = summarise(runs, best, sc.seeds)
     res = {"model": a.model, "quick": a.quick, "scale": asdict(sc), "arms_run": a.arms,
            "prep": prep, "runs": runs, "best_lr": best, **summary, "inline": a.inline,
-           "load_start": load0, "load_end": load_average(), "seconds": time.perf_counter() - t0,
-           "cpus": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "python": sys.version.split()[0], "torch": torch.__version__,
+           "load_start": load0, "load_end": h.load_average(), "seconds": time.perf_counter() - t0,
+           **host(), "python": sys.version.split()[0], "torch": torch.__version__,
            "transformers": tf.__version__}  # fmt: skip
     res["table"] = render(res)
-    print(res["table"])
     print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s; "
-          f"{os.cpu_count()} CPUs; {'arms in one process' if a.inline else 'one process per arm'})")  # fmt: skip
+          f"{res['cpus']} CPUs; {'arms in one process' if a.inline else 'one process per arm'})")  # fmt: skip
     name = "peers" + ("-tiny" if a.model == "tiny" else "-quick" if a.quick else "")
     name += "-sweep" if a.sweep and a.quick else ""
-    out = Path(a.out) if a.out else results_path(name)
-    write_results(out, without_paths(res, {str(work): "<work>", str(ROOT): "<repo>"}))
-    print(f"results: {out}")
+    res = h.without_paths(res, {str(work): "<work>", str(h.ROOT): "<repo>"})
+    out = h.publish(res, res["table"], a.out, name)
     if tmp is not None:
         tmp.cleanup()
     return {"headline": {k: v["median"] for k, v in summary["targets"].items()},

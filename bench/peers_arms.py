@@ -1,7 +1,7 @@
 """The peers bench's data, models and HF arms (bench/peers.py says what runs): the instruction
 pairs, the tiny model of the tests, the overrides every arm shares, the token store and init
-checkpoints (bench/arms.py's prepare), and full, BAdam and LoRA over the HF model (`hf_arm`,
-run by bench/arms.py's runner in a process of its own, as preinfer's bcd arms are)."""
+checkpoints (arms.prepare), and full, BAdam and LoRA over the HF model (`hf_arm`, run by
+bench/arms.py's runner in a process of its own, as preinfer's bcd arms are)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ PROMPT = "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 END = "<|im_end|>"
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo",
              "lib2to3", "ensurepip"}  # fmt: skip
+# the held-out instruction set (#41): docstrings of third-party packages the install pins, a
+# source the levers were not chosen on
+SITE_PACKAGES = ("numpy", "torch", "transformers", "datasets", "pyarrow", "ray", "zarr",
+                 "matplotlib", "fsspec")  # fmt: skip
+DATASETS = ("stdlib", "sitepkgs")
+ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
+BCD_ARMS = ("bcd", "bcd-recompute")
+WEIGHT_DECAY, GRAD_CLIP, BETAS = 1e-5, 1.0, (0.9, 0.999)  # preinfer's AdamW defaults, every arm
+# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.trainer.build_optimizer)
+ADAMW = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "fused": True}
+LORA_R, LORA_ALPHA = 16, 32
 
 
 @dataclass
@@ -56,16 +67,16 @@ class Scale:
     rounds: int = 1
     cache_visits: float | None = None  # None = M: each visit of a round its own rows; 1: the same
     cache_dtype: str = "bf16"  # of the bcd arm's caches (fp32: as bcd-recompute computes them)
-    bcd_set: list[str] = field(default_factory=list)
-    """KEY=VALUE overrides of the bcd arms only; model.* keys: an init checkpoint of their own."""
+    bcd_set: list[str] = field(default_factory=list)  # the bcd arms' own overrides (model.*:
+    # an init checkpoint of their own)
     warmup_steps: int = 5  # of the run (bcd: of its rotation, train.schedule=run)
     eval_batches: int = 4  # an evaluation reads the first eval_batches x batch val rows (0: all)
     data: str = "stdlib"  # the instruction set (DATASETS): stdlib or the held-out sitepkgs
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    # peak lrs swept per arm on the first seed (bcd-recompute runs at bcd's)
     lrs: dict[str, list[float]] = field(default_factory=lambda: {
         "bcd": [3e-5, 1e-4, 3e-4], "full": [1e-5, 3e-5, 1e-4], "badam-layers": [3e-5, 1e-4, 3e-4],
         "badam-blocks": [3e-5, 1e-4, 3e-4], "lora": [3e-4, 1e-3, 3e-3]})  # fmt: skip
-    """Peak lrs swept per arm on the first seed (bcd-recompute runs at bcd's)."""
 
 
 FULL = Scale()
@@ -83,45 +94,27 @@ TINY = Scale(pairs=240, seq_len=96, batch_size=4, val_fraction=0.2, steps_per_vi
 # Data and models
 
 
-# the second instruction set (#41): docstrings of the third-party packages the default install
-# pins, a source the levers were not chosen on
-SITE_PACKAGES = ("numpy", "torch", "transformers", "datasets", "pyarrow", "ray", "zarr",
-                 "matplotlib", "fsspec")  # fmt: skip
-DATASETS = ("stdlib", "sitepkgs")
-
-
-def stdlib_pairs(n: int) -> list[dict]:
-    """n prompt/response pairs from the docstrings of the stdlib's public top-level functions and
-    classes (read with ast, nothing imported): "What does `mod.name` do?" -> the docstring's
-    first paragraph (30-300 characters, no doctest). Ordered by a hash of the name, so the set
-    mixes modules and is the same on every run of one Python version."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return _doc_pairs([(root, root)], n, "the stdlib")
-
-
-def sitepkg_pairs(n: int) -> list[dict]:
-    """stdlib_pairs' rule over the SITE_PACKAGES installed here (their pinned versions): the
-    held-out instruction set."""
-    site = Path(sysconfig.get_paths()["purelib"])
-    roots = [(site / p, site) for p in SITE_PACKAGES if (site / p).is_dir()]
-    return _doc_pairs(roots, n, f"site-packages ({', '.join(SITE_PACKAGES)})")
-
-
 def instruction_pairs(data: str, n: int) -> list[dict]:
-    return {"stdlib": stdlib_pairs, "sitepkgs": sitepkg_pairs}[data](n)
-
-
-def _doc_pairs(roots: list[tuple[Path, Path]], n: int, what: str) -> list[dict]:
+    """n prompt/response pairs from the docstrings of the public top-level functions and
+    classes (read with ast, nothing imported) of the stdlib, or of the SITE_PACKAGES installed
+    here (sitepkgs): "What does `mod.name` do?" -> the docstring's first paragraph (30-300
+    characters, no doctest), ordered by a hash of the name (the set mixes modules and is the
+    same on every run of one Python version)."""
+    if data == "stdlib":
+        base = Path(sysconfig.get_paths()["stdlib"])
+        roots, what = [base], "the stdlib"
+    else:
+        base = Path(sysconfig.get_paths()["purelib"])
+        roots = [base / p for p in SITE_PACKAGES if (base / p).is_dir()]
+        what = f"site-packages ({', '.join(SITE_PACKAGES)})"
     found: dict[str, str] = {}
-    for top, base in roots:
+    for top in roots:
         for f in sorted(top.rglob("*.py"), key=lambda p: p.relative_to(base).as_posix()):
             rel = f.relative_to(base)
             parts = list(rel.with_suffix("").parts)
-            if SKIP_DIRS & set(rel.parts):
-                continue
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            if not parts or any(p.startswith("_") for p in parts):
+            if SKIP_DIRS & set(rel.parts) or not parts or any(p.startswith("_") for p in parts):
                 continue
             try:
                 tree = ast.parse(f.read_bytes())
@@ -140,13 +133,6 @@ def _doc_pairs(roots: list[tuple[Path, Path]], n: int, what: str) -> list[dict]:
         raise SystemExit(f"{what} gave {len(names)} docstring pairs, fewer than {n}")
     return [{"prompt": PROMPT.format(question=f"What does `{k}` do?"), "response": found[k]}
             for k in names]  # fmt: skip
-
-
-def write_pairs(path: Path, pairs: list[dict]) -> str:
-    """The jsonl (one pair a line, sorted keys); returns its sha256."""
-    text = "".join(json.dumps(p, sort_keys=True, ensure_ascii=False) + "\n" for p in pairs)
-    path.write_text(text, encoding="utf-8")
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def build_tiny_model(out: Path, pairs: list[dict]) -> Path:
@@ -174,8 +160,7 @@ def build_tiny_model(out: Path, pairs: list[dict]) -> Path:
 
 
 def common_overrides(sc: Scale, work: Path, model_dir: Path, jsonl: Path) -> list[str]:
-    """configs/finetune.yaml's --set overrides every arm shares (run.dir, seed and lr are the
-    run's own)."""
+    """configs/finetune.yaml's overrides every arm shares (run.dir, seed and lr: the run's)."""
     return [
         # the model's own (tied) layout in every arm, whatever configs/finetune.yaml defaults to;
         # a bcd variant unties with --bcd-set model.tie_embeddings=false
@@ -197,8 +182,10 @@ def prepare_peers(sc: Scale, work: Path, model: str, log=print) -> dict:
     when --work already holds them), and the pretrained model's val loss (every arm's start)."""
     work.mkdir(parents=True, exist_ok=True)
     pairs = instruction_pairs(sc.data, sc.pairs)
-    jsonl = work / "pairs.jsonl"
-    sha = write_pairs(jsonl, pairs)
+    jsonl = work / "pairs.jsonl"  # one pair a line, sorted keys; its sha256 recorded
+    text = "".join(json.dumps(p, sort_keys=True, ensure_ascii=False) + "\n" for p in pairs)
+    jsonl.write_text(text, encoding="utf-8")
+    sha = hashlib.sha256(text.encode()).hexdigest()
     if model == "tiny":
         model_dir = build_tiny_model(work / "tiny-model", pairs)
     else:
@@ -209,22 +196,24 @@ def prepare_peers(sc: Scale, work: Path, model: str, log=print) -> dict:
     common = common_overrides(sc, work, model_dir, jsonl)
     prep = [*common, f"run.dir={work / 'prep'}"]
     t = time.perf_counter()
+
+    def val_loss(init: Path, sets: list[str]) -> float:
+        return eval_run(str(FINETUNE), [*prep, *sets, f"run.checkpoint={init}"],
+                        sc.eval_batches)["loss"]  # fmt: skip
+
     cfg, store = prepare(str(FINETUNE), prep, work / "init")
     budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
     need = sc.eval_batches * sc.batch_size
     if budget.n_val < need:
         raise SystemExit(f"{budget.n_val} val rows, fewer than the {need} an evaluation reads")
-    initial = eval_run(str(FINETUNE), [*prep, f"run.checkpoint={work / 'init'}"],
-                       sc.eval_batches)["loss"]  # fmt: skip
+    initial = val_loss(work / "init", [])
     bcd_init, bcd_initial = work / "init", initial
     model_set = [x for x in sc.bcd_set if x.startswith("model.")]
     if model_set:  # the bcd arms' own init checkpoint
-        bcd_init = (
-            work / f"init-bcd-{hashlib.sha256(chr(10).join(model_set).encode()).hexdigest()[:8]}"
-        )
+        digest = hashlib.sha256("\n".join(model_set).encode()).hexdigest()[:8]
+        bcd_init = work / f"init-bcd-{digest}"
         prepare(str(FINETUNE), [*prep, *model_set], bcd_init)
-        bcd_initial = eval_run(str(FINETUNE), [*prep, *model_set, f"run.checkpoint={bcd_init}"],
-                               sc.eval_batches)["loss"]  # fmt: skip
+        bcd_initial = val_loss(bcd_init, model_set)
     part = Checkpoint.open(work / "init").partition
     log(f"  prepared in {time.perf_counter() - t:.0f}s: {len(pairs)} pairs (sha256 {sha[:12]}), "
         f"{budget.n_train} train / {budget.n_val} val rows of S={sc.seq_len}; blocks "
@@ -246,12 +235,8 @@ def missing_parts(model: str, arms: list[str]) -> str | None:
     return f"{', '.join(lacks)} not here: {INSTALL}" if lacks else None
 
 
-ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
-BCD_ARMS = ("bcd", "bcd-recompute")
-WEIGHT_DECAY, GRAD_CLIP, BETAS = 1e-5, 1.0, (0.9, 0.999)  # preinfer's AdamW defaults, every arm
-# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.train.step.build_optimizer)
-ADAMW = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "fused": True}
-LORA_R, LORA_ALPHA = 16, 32
+# ---------------------------------------------------------------------------------------------
+# The HF arms
 
 
 def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -260,15 +245,6 @@ def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     hidden = lm.model(input_ids=x, use_cache=False).last_hidden_state
     keep = labels != IGNORE
     return lm_loss(lm.lm_head(hidden[keep])[None], labels[keep][None])
-
-
-def visit_batches(cfg, store: TokenStore, budget, r: int, k: int, M: int) -> TokenBatches:
-    """The batches of the rotation's visit (round r, block k) as bcd-recompute reads them: the
-    visit's rows (preinfer.schedule.visit_plan.VisitPlan.train_rows: the round's sampled rows in cache
-    row order, the window of the visit's place in its round), shuffled with the visit's seed."""
-    plan = plan_visit(cfg.train, budget, M, r, k, mode="bcd-recompute")
-    return TokenBatches(store, "train", indices=plan.train_rows(), batch_size=cfg.train.batch_size,
-                        seed=plan.data_seed)  # fmt: skip
 
 
 def badam(model, lr: float, prefixes: list[list[str]] | None):
@@ -297,7 +273,9 @@ def layer_prefixes(blocks: list[tuple[int, int]]) -> list[list[str]]:
 
 
 def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
-    """full, badam-layers, badam-blocks or lora over the HF model, same batches as the rotation."""
+    """full, badam-layers, badam-blocks or lora over the HF model. Visit (r, k) of the rotation
+    reads the batches bcd-recompute reads: VisitPlan.train_rows (the round's sampled rows, the
+    window of the visit's place in its round), shuffled with the visit's seed."""
     arm, lr = spec["arm"], spec["lr"]
     cfg = load_config(FINETUNE, [*spec["overrides"], f"run.dir={spec['run_dir']}",
                                  f"train.seed={spec['seed']}"])  # fmt: skip
@@ -312,32 +290,31 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
     model = tf.AutoModelForCausalLM.from_pretrained(
         spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
     )
-    lm, switch_every, opt, info = model, 0, None, {}
-    if arm == "full":
-        params = list(model.parameters())  # the tied head is the embedding: listed once
-        opt = torch.optim.AdamW(params, lr=lr, **ADAMW)
-        info["blocks"] = "every parameter"
-    elif arm.startswith("badam"):
+    lm, switch_every, info = model, 0, {}
+    if arm.startswith("badam"):
         if arm == "badam-blocks":  # preinfer's blocks, the rotation's steps per block
             opt, switch_every = badam(model, lr, layer_prefixes(spec["blocks"])), per_visit
         else:  # BAdam's default: one block per layer
             opt = badam(model, lr, None)
             switch_every = max(1, M * per_visit // model.config.num_hidden_layers)
         info["blocks"] = [p[:3] + (["..."] if len(p) > 3 else []) for p in opt.block_prefix_list]
-        info["block_count"] = opt.block_num
-        info["switch_every"] = switch_every
-    elif arm == "lora":
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError as e:
-            raise SystemExit(f"the lora arm needs the PyPI package peft ({e}); {INSTALL}") from None
-        conf = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                          target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
-        model = get_peft_model(model, conf)
-        lm = model.get_base_model()  # the LlamaForCausalLM, its linears wrapped with LoRA
+        info["block_count"], info["switch_every"] = opt.block_num, switch_every
+    elif arm in ("full", "lora"):
+        info["blocks"] = "every parameter"  # the tied head is the embedding: listed once
+        if arm == "lora":
+            try:
+                from peft import LoraConfig, get_peft_model
+            except ImportError as e:
+                raise SystemExit(
+                    f"the lora arm needs the PyPI package peft ({e}); {INSTALL}"
+                ) from None
+            conf = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                              target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
+            model = get_peft_model(model, conf)
+            lm = model.get_base_model()  # the LlamaForCausalLM, its linears wrapped with LoRA
+            info["blocks"] = f"LoRA r {LORA_R}, alpha {LORA_ALPHA}, all-linear"
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr, **ADAMW)
-        info["blocks"] = f"LoRA r {LORA_R}, alpha {LORA_ALPHA}, all-linear"
     else:
         raise SystemExit(f"unknown arm {arm!r}")
     model.train()
@@ -353,14 +330,15 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
         curve = [{"steps": 0, "seconds": clock.now(), "loss": evaluate()}]
     step, trainable = 0, []
     for r, k in itertools.product(range(rounds), range(M)):
-        batches = endless(visit_batches(cfg, store, budget, r, k, M))
+        plan = plan_visit(cfg.train, budget, M, r, k, mode="bcd-recompute")
+        batches = endless(TokenBatches(store, "train", indices=plan.train_rows(),
+                                       batch_size=cfg.train.batch_size, seed=plan.data_seed))  # fmt: skip
         trainable.append(sum(p.numel() for p in model.parameters() if p.requires_grad))
         for x, labels in itertools.islice(batches, per_visit):
             for g in opt.param_groups:  # BAdam copies group 0's lr to its active groups
                 g["lr"] = lr_at(step, sched)
             opt.zero_grad(set_to_none=True)
-            loss = response_loss(lm, x, labels)
-            loss.backward()
+            response_loss(lm, x, labels).backward()
             active = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
             torch.nn.utils.clip_grad_norm_(active, GRAD_CLIP)
             opt.step()

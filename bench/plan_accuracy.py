@@ -1,50 +1,68 @@
 """Planner accuracy: measured peak memory of the real trainer and pre-inference worker on CPU
-against preinfer.plan.memory's estimate, as a markdown table.
+against preinfer.plan.memory's estimate, as a markdown table (docs/planner.md has the results).
 
     python -m bench.plan_accuracy [--configs demo gpt2-small] [--json out.json]
     python -m bench.plan_accuracy --calibrate   # prints the CPU constants of preinfer.plan.memory
 
-Each arm runs in a fresh process (bench/arms.py's in_child), --repeats times (default 3; its
-row is the median): it imports everything first (torch._dynamo, which the first optimizer step
-pulls in, and the HF model module too), then bench/arms.py's PeakMemory takes the RSS as the
-baseline and resets and polls the high-water mark while the real code path runs: `Visit.run()`
-for the trainer (2 optimizer steps, so the second backward holds the optimizer state, then the
-end-of-visit eval and commit), `PrefixWorker` over every shard for pre-inference. Measured: the
-peak RSS growth over that baseline. Per-phase peaks (`phases`, PeakMemory.mark at the
-product's own hooks, nothing patched): trainer `load` (VisitHooks.batches), `backward` (up to
-torch's optimizer step pre-hook), `step` (its post-hook), `eval` (VisitHooks.on_eval),
-`commit`; pre-inference `load`, `input`, `compute` (PrefixWorker's on_phase), `encode` (the
-shard's encode + write, apart from compute only with one shard per call, as --calibrate runs),
-`other` (before the worker is built).
-
-The estimate is `plan.trainer_memory` / `plan.preinfer_memory` for the same config with
-target="cpu". Its measured constants (RUNTIME, CPU_ALLOC, CPU_INFER, HOST_IO) come from
---calibrate, which runs a minimal model and configs/llama-small.yaml at two shard sizes (builds
-and a refresh), never the validated configs. Token stores are synthetic (random ids; sizes in
-SETS), checkpoints real (`preinfer init`), caches real (written by the pre-inference arms).
-gpt2-small runs at batch 4 x 256 tokens with 32 MiB shards so an arm takes about a minute on 2
-CPUs; the demo runs as configured with its real corpus sizes (11773 train / 1142 val samples).
-Peak RSS varies run to run (which of glibc's per-thread malloc arenas holds a freed buffer):
-within ~10% for most arms, up to 32% for gpt2-small's pre-inference workers, hence the median
-(preinfer/runtime/hostmem.py; MALLOC_ARENA_MAX in the environment reaches the children).
+Each arm runs in --repeats fresh processes (bench/arms.py's in_child; its row is the median):
+the imports first, then PeakMemory takes the RSS as the baseline and polls the high-water
+mark while the real code runs: `Visit.run()` for the trainer (2 optimizer steps, so the
+second backward holds the optimizer state; the eval, the commit), `PrefixWorker` over every shard for pre-inference. Measured: the peak RSS growth
+over the baseline, and per-phase peaks (PeakMemory.mark at the product's own hooks, nothing
+patched): trainer load (VisitHooks.batches), backward (torch's optimizer step pre-hook), step
+(its post-hook), eval (VisitHooks.on_eval), commit; pre-inference other, load, input, compute
+(PrefixWorker's on_phase), encode (apart from compute only with one shard per call).
+The estimate is plan.trainer_memory / plan.preinfer_memory for the same config, target="cpu";
+--calibrate measures its constants on a minimal model and configs/llama-small.yaml at two shard
+sizes, never on the validated configs. Token stores are synthetic (sizes in SETS), checkpoints
+and caches real.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import mean, median
 
-from bench.harness import ROOT, quiet
+import numpy as np
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from bench.arms import PeakMemory, in_child
+from bench.harness import ROOT, quiet, write_results
+from pipelines.cache_build import actor_env, create_writers, plan_block, shards_per_task
+from pipelines.init import run_init
+from pipelines.prefix_worker import PrefixWorker
+from pipelines.train import visit_spec
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.modeling import build_model
+from preinfer.model.partition import partition_layers
+from preinfer.model.shape import model_shape
+from preinfer.plan import memory as plan
+from preinfer.run.config import config_from_dict, load_config
+from preinfer.run.visit import Visit, VisitHooks
+from preinfer.runtime.device import resolve_device
+from preinfer.schedule.cache_identity import compute_choice
+from preinfer.schedule.rotation import visit_budget
+from storage.cache import CacheWriter
+from storage.layout import rows_per_shard
+from storage.tokens import TokenStoreWriter
 
 COMMON = ["train.workers=0", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
           "train.checkpoint_every=0", "train.warmup_steps=0", "run.device=cpu",
           "run.precision=fp32"]  # fmt: skip
-# config -> (YAML or None, overrides, train samples, val samples)
+# config -> (YAML or None, overrides, train samples, val samples): the demo with its corpus's
+# sizes; gpt2-small at batch 4 x 256 with 32 MiB shards, about a minute an arm on 2 CPUs
 SETS = {
     "demo": ("configs/demo.yaml", [], 11773, 1142),
     "gpt2-small": ("configs/gpt2-small.yaml",
@@ -57,25 +75,15 @@ SETS = {
     "llama-small-s8": ("configs/llama-small.yaml", ["train.batch_size=8", "cache.shard_mb=8"], 256, 16),
 }  # fmt: skip
 CALIBRATION = ("calibrate", "llama-small", "llama-small-s8")  # never the validated configs
+ONE_SHARD = ["preinfer.shards_per_task=1"]  # --calibrate: compute and encode peaks apart
 
 
 def child(spec: dict, _ask=None) -> dict:
     """One arm in this (fresh) process: its peak RSS growth over the baseline, bytes."""
-    import torch  # noqa: F401  (imports first: they belong to the baseline)
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step: ~75 MB)
     import transformers  # noqa: F401
 
-    from bench.arms import PeakMemory
-    from pipelines.cache_build import plan_block
-    from pipelines.prefix_worker import PrefixWorker
-    from pipelines.train import visit_spec
-    from preinfer.model.modeling import build_model
-    from preinfer.run.config import config_from_dict
-    from preinfer.run.visit import Visit, VisitHooks
-    from preinfer.runtime.device import resolve_device
-    from preinfer.schedule.cache_identity import compute_choice
     from storage import reader  # noqa: F401
-    from storage.cache import CacheWriter
 
     cfg = config_from_dict(json.loads(Path(spec["cfg"]).read_text()))
     build_model(cfg.model, device="meta")  # imports the HF model module (lazy in transformers)
@@ -96,10 +104,6 @@ def child(spec: dict, _ask=None) -> dict:
     mem = PeakMemory()  # the baseline: every import above in it
     t0 = time.perf_counter()
     if spec["arm"] == "trainer":
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
 
         def set_up(visit, default):  # VisitHooks.batches: blocks loaded, data opened
             mem.mark("load")
@@ -111,14 +115,11 @@ def child(spec: dict, _ask=None) -> dict:
         Visit(cfg, vspec, device=resolve_device("cpu"), hooks=hooks).run(log=quiet)
         mem.mark("commit")
     else:
-        from pipelines.cache_build import shards_per_task
-
         choice = compute_choice(cfg.preinfer, cfg.cache, cfg.run.device)
         mem.mark("other")
         worker = PrefixWorker(cfg.to_dict(), block, first, sources, choice.compute,
                               choice.round_to, on_phase=mem.mark)  # fmt: skip
-        pool = min(cfg.preinfer.actors, len(items))
-        k = shards_per_task(cfg, len(items), pool)  # as the actor pool's calls get them
+        k = shards_per_task(cfg, len(items), min(cfg.preinfer.actors, len(items)))  # as Ray would
         for j in range(0, len(items), k):
             group = items[j : j + k]
             worker({"fingerprint": [fp for fp, _ in group], "shard": [s for _, s in group]})
@@ -130,35 +131,21 @@ def child(spec: dict, _ask=None) -> dict:
 
 
 def _run_child(cfg_path: Path, arm: dict, repeats: int = 1) -> dict:
-    """The arm in `repeats` fresh processes: the median peak (and per-phase medians), with
-    every run's peak in "samples". One process's peak moves run to run (which of glibc's
-    per-thread malloc arenas holds a freed buffer: torch's intra-op threads, the codec and I/O
-    threads), the median less. A pre-inference child gets the environment Ray gives the
-    worker actors (pipelines.cache_build.actor_env: two malloc arenas)."""
-    from statistics import median
-
-    from bench.arms import in_child
-    from pipelines.cache_build import actor_env
-    from preinfer.run.config import config_from_dict
-
+    """The arm in `repeats` fresh processes: the median peak (a process's peak moves with which
+    of glibc's malloc arenas holds a freed buffer) and per-phase medians, every run's peak in
+    "samples". A pre-inference child gets the environment Ray gives the worker actors
+    (pipelines.cache_build.actor_env: two malloc arenas)."""
     arm_cfg = config_from_dict(json.loads(cfg_path.read_text()))
     env = {**os.environ, **(actor_env(arm_cfg) if arm["arm"] == "preinfer" else {})}
     runs = [in_child("bench.plan_accuracy:child", {**arm, "cfg": str(cfg_path)}, env=env)
             for _ in range(repeats)]  # fmt: skip
-    keys = {k for r in runs for k in r["phases"]}
-    return {
-        "growth": median(r["growth"] for r in runs),
-        "samples": [r["growth"] for r in runs],
-        "phases": {k: median(r["phases"].get(k, 0) for r in runs) for k in sorted(keys)},
-        "seconds": median(r["seconds"] for r in runs),
-    }
+    keys = sorted({k for r in runs for k in r["phases"]})
+    return {"growth": median(r["growth"] for r in runs), "samples": [r["growth"] for r in runs],
+            "phases": {k: median(r["phases"].get(k, 0) for r in runs) for k in keys},
+            "seconds": median(r["seconds"] for r in runs)}  # fmt: skip
 
 
 def _tokens(cfg, n_train: int, n_val: int) -> None:
-    import numpy as np
-
-    from storage.tokens import TokenStoreWriter
-
     w = TokenStoreWriter(cfg.data.out_dir, seq_len=cfg.data.seq_len, shard_rows=4096)
     g = np.random.default_rng(0)
     for split, n in (("train", n_train), ("val", n_val)):
@@ -169,11 +156,6 @@ def _tokens(cfg, n_train: int, n_val: int) -> None:
 
 def _setup(cfg, sh, n_tr: int, n_val: int):
     """The planner's Setup for an arm's config, pipelined as the child's worker calls are."""
-    from pipelines.cache_build import shards_per_task
-    from preinfer.plan import memory as plan
-    from preinfer.schedule.rotation import visit_budget
-    from storage.layout import rows_per_shard
-
     rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
     shards = -(-n_tr // rps) + -(-n_val // rps)  # the child's calls, as the actor pool gets them
     pipelined = shards_per_task(cfg, shards, min(cfg.preinfer.actors, shards)) > 1
@@ -186,50 +168,38 @@ def _setup(cfg, sh, n_tr: int, n_val: int):
 
 def _estimate(sh, part, p, label: str) -> dict:
     """preinfer.plan.memory's estimate for the arm named `label` (as measure() names them)."""
-    from preinfer.plan import memory as plan
-
     k = 0 if label.endswith("full") else int(label.split()[-1])
     if label.startswith("pre-inference"):
         return plan.preinfer_memory(sh, part, k, p, refresh="refresh" in label)
     return plan.trainer_memory(sh, part, "full" if label.endswith("full") else "bcd", k, p)
 
 
+def _estimated(row: dict, est: dict) -> dict:
+    return {**row, "estimate": est["peak"], "phase": est["phase"],
+            "components": est["components"], "basis": est["basis"]}  # fmt: skip
+
+
 def rescore(rows: list[dict]) -> list[dict]:
     """The same measured rows with estimates from preinfer.plan.memory as it is now (after
     recalibrating its constants); shapes and partitions are arithmetic, nothing runs."""
-    from preinfer.model.partition import partition_layers
-    from preinfer.model.shape import model_shape
-    from preinfer.run.config import load_config
-
     out = []
     for r in rows:
         path, over, n_tr, n_val = SETS[r["config"]]
         cfg = load_config(ROOT / path if path else None, [*COMMON, *over, "run.dir=unused"])
         sh = model_shape(cfg.model)
         part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
-        est = _estimate(sh, part, _setup(cfg, sh, n_tr, n_val), r["arm"])
-        out.append({**r, "estimate": est["peak"], "phase": est["phase"],
-                    "components": est["components"], "basis": est["basis"]})  # fmt: skip
+        out.append(_estimated(r, _estimate(sh, part, _setup(cfg, sh, n_tr, n_val), r["arm"])))
     return out
 
 
-CALIBRATE_OVERRIDES: list[str] = []  # --calibrate: one shard per worker call
-
-
-def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[dict]:
-    """Set up one config under `work`, run its arms (all, preinfer or trainer: the trainer arms
-    still build the caches they read) `repeats` times each, return rows with estimate and
-    median measurement."""
-    from pipelines.cache_build import create_writers, plan_block
-    from pipelines.init import run_init
-    from preinfer.checkpoint.store import Checkpoint
-    from preinfer.model.shape import model_shape
-    from preinfer.run.config import load_config
-    from storage.cache import CacheWriter
-
+def measure(name: str, work: Path, arms: str = "all", repeats: int = 1,
+            extra: list[str] = ()) -> list[dict]:  # fmt: skip
+    """Set up one config under `work` (`extra` overrides), run its arms (all, preinfer or
+    trainer: the trainer arms still build the caches they read) `repeats` times each; rows
+    with the estimate and the median measurement."""
     path, over, n_tr, n_val = SETS[name]
-    over = [*COMMON, *CALIBRATE_OVERRIDES, *over, f"run.dir={work / name}"]
-    cfg = load_config(ROOT / path if path else None, over)
+    cfg = load_config(ROOT / path if path else None,
+                      [*COMMON, *extra, *over, f"run.dir={work / name}"])  # fmt: skip
     _tokens(cfg, n_tr, n_val)
     run_init(cfg, log=quiet)
     part = Checkpoint.open(cfg.run.checkpoint).partition
@@ -247,10 +217,9 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
             return
         est = _estimate(sh, part, p, label)
         got = _run_child(f, spec, repeats=repeats)
-        rows.append({"config": name, "arm": label, "measured": got["growth"], "estimate": est["peak"],
-                     "samples": got["samples"], "phases": got["phases"],
-                     "phase": est["phase"], "components": est["components"], "basis": est["basis"],
-                     "seconds": got["seconds"]})  # fmt: skip
+        rows.append(_estimated({"config": name, "arm": label, "measured": got["growth"],
+                                "samples": got["samples"], "phases": got["phases"],
+                                "seconds": got["seconds"]}, est))  # fmt: skip
         lo, hi = min(got["samples"]) / 2**20, max(got["samples"]) / 2**20
         print(f"  {name:10s} {label:28s} measured {got['growth'] / 2**20:8.1f} MiB "
               f"[{lo:.1f}..{hi:.1f}]  estimate {est['peak'] / 2**20:8.1f} MiB ({est['phase']})",
@@ -261,12 +230,8 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
         arm(f"pre-inference build -> {k}", cfg, arm="preinfer", block=k)
         for q in plans:  # finalize: every shard checked, manifest written
             CacheWriter.open(cfg.cache.root, q.fingerprint).finalize()
-    # refresh of the last boundary, into a second root
-    if M > 2 and name != "calibrate" and arms != "trainer":
-        import copy
-        import shutil
-
-        alt = copy.deepcopy(cfg)
+    if M > 2 and name != "calibrate" and arms != "trainer":  # the last boundary, refreshed
+        alt = copy.deepcopy(cfg)  # into a second root
         alt.cache.root = str(work / name / "cache-refresh")
         for q in plan_block(cfg, M - 2, 0).caches:  # the finished source boundary
             shutil.copytree(
@@ -283,8 +248,6 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1) -> list[
 def _line(xs, ys) -> tuple[float, float]:
     """Least-squares (intercept, slope); through the origin when the xs are all equal or the
     fitted intercept is negative (no evidence of a fixed part)."""
-    import numpy as np
-
     xs, ys = np.asarray(xs, float), np.asarray(ys, float)
     if np.ptp(xs) > 0:
         slope, icpt = np.polyfit(xs, ys, 1)
@@ -294,13 +257,10 @@ def _line(xs, ys) -> tuple[float, float]:
 
 
 def suggest(rows: list[dict]) -> str:
-    """The constants of preinfer.plan.memory these measurements imply (paste them in by hand):
-    RUNTIME from the minimal model (a refresh's from llama-small's refresh arms); then, on
-    llama-small at two shard sizes, CPU_ALLOC from the token-fed trainer arms, HOST_IO
-    cache_read from the cache-fed ones, and CPU_INFER and HOST_IO cache_write from the compute
-    and encode phases of the pre-inference builds."""
-    from statistics import mean
-
+    """The constants of preinfer.plan.memory these measurements imply (pasted in by hand): RUNTIME
+    from the minimal model (a refresh's from llama-small's); on llama-small at two shard sizes,
+    CPU_ALLOC from the token-fed trainer arms, HOST_IO cache_read from the cache-fed ones, and
+    CPU_INFER and HOST_IO cache_write from the builds' compute and encode phases."""
     from preinfer.plan.memory import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
 
     def path(r):
@@ -398,25 +358,17 @@ def main(argv=None) -> dict | None:
     if args.rescore:
         rows = rescore(json.loads(Path(args.rescore).read_text()))
     else:
-        names = (
-            ["calibrate"] if args.tiny else list(CALIBRATION) if args.calibrate else args.configs
-        )
-        if args.calibrate:  # one shard per worker call: compute and encode peaks apart (suggest)
-            CALIBRATE_OVERRIDES.append("preinfer.shards_per_task=1")
+        names = ["calibrate"] if args.tiny else CALIBRATION if args.calibrate else args.configs
+        repeats, extra = 1 if args.tiny else args.repeats, ONE_SHARD if args.calibrate else []
         rows = []
         with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
             for name in names:
-                rows += measure(name, Path(tmp), args.arms, 1 if args.tiny else args.repeats)
+                rows += measure(name, Path(tmp), args.arms, repeats, extra)
     if args.json:  # the measurements first: they take the time
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_results(Path(args.json), rows)
     if args.calibrate:
         print(suggest(rows))
     print(table(rows))
-    import torch
-
-    from pipelines.cache_build import actor_env
-    from preinfer.run.config import load_config
-
     env = actor_env(load_config(None)) or "glibc defaults"
     print(f"\n(peak RSS growth over the post-import baseline, CPU, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; pre-inference children with {env})")  # fmt: skip
@@ -425,11 +377,8 @@ def main(argv=None) -> dict | None:
 
 def _headline(rows: list[dict]) -> dict:
     errs = [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
-    return {
-        "arms": len(rows),
-        "within 15%": sum(abs(e) <= 0.15 for e in errs),
-        "worst error": max(errs, key=abs) if errs else None,
-    }
+    return {"arms": len(rows), "within 15%": sum(abs(e) <= 0.15 for e in errs),
+            "worst error": max(errs, key=abs) if errs else None}  # fmt: skip
 
 
 if __name__ == "__main__":

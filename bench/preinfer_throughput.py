@@ -4,26 +4,17 @@
     .venv/bin/python -m bench.preinfer_throughput --quick --arms throughput actors
     .venv/bin/python -m bench.preinfer_throughput --arms refresh
 
-The reference holds still: the bare forward computes exactly what the build computes. It runs
-`preinfer.model.prefix.forward_prefix` (the build's own function: same compute dtype, same rounding
-at block boundaries) over the build's own input rows (read from the caches the build plans, in
-row order), cut into the build's micro-batches (per shard, so a shard's last micro-batch is as
-short as the build's), on the same threads (`pin_threads`, as the worker pins them). Each arm
-runs once untimed first (oneDNN builds its kernels per shape on first use; the build's
-process is warm for every arm after that), then the arms alternate, --repeats times, in
-A B / B A order so a drift of the machine's speed lands on both. The ratio is taken per
-repeat (build seconds against the bare forward timed next to it); the median and the spread
-(min..max) of those ratios and of each arm's seconds are reported, with the load average.
+The bare forward computes exactly what the build computes: `preinfer.model.prefix.forward_prefix`
+(same compute dtype, same rounding at block boundaries) over the build's own input rows, in
+its micro-batches per shard, on the same threads (`pin_threads`). Each arm runs once untimed,
+then the arms alternate --repeats times (A B / B A: harness.interleaved); the ratio is taken
+per repeat (bare seconds / the arm's) and reported as median [min, max] with the load average.
 
-Arms: throughput = bare forward vs build in process (preinfer.executor=local);
-actors = the same with 2 Ray actors (and 1), each repeat next to a bare forward;
-overlap = build in process with preinfer.write_queue=0 (each shard compressed whole after its
-compute) vs the config's queue (each micro-batch compressed while the next computes);
-refresh = refresh of boundary K from K-1 vs build of K from tokens, K = 2, 3;
-dtype = the bare forward computing in bf16 (reference) vs in fp32 rounded to bf16 at each block
-boundary (what preinfer.compute_dtype auto picks between on a CPU).
---s3 puts cache.root on a moto S3 server (its own process; bench/writer.py's), the writer's
-slowest link.
+Arms: throughput = bare vs build in process (preinfer.executor=local); actors = the same with
+Ray actors; overlap = build with preinfer.write_queue=0 (each shard compressed after its
+compute) vs the config's queue; refresh = refresh of boundary K from K-1 vs build of K from
+tokens, K = 2, 3; dtype = the bare forward in bf16 vs in fp32 rounded to bf16 per block (what
+preinfer.compute_dtype auto picks between on a CPU). --s3: cache.root on a moto S3 server.
 """
 
 from __future__ import annotations
@@ -39,15 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import (
-    headline_table,
-    load_average,
-    quiet,
-    results_path,
-    show,
-    spread,
-    write_results,
-)
+from bench.harness import headline_table, interleaved, load_average, publish, quiet, show, spread
 from bench.writer import moto_server
 from pipelines.cache_build import build_cache, create_writers, plan_block, refresh_cache
 from pipelines.init import run_init
@@ -60,12 +43,6 @@ from preinfer.runtime.device import pin_threads, resolve_device, torch_dtype
 from preinfer.schedule.cache_identity import compute_choice
 from storage.cache import CacheWriter
 from storage.layout import remove_cache
-from storage.tokens import TokenStore
-
-
-def tokens_total(cfg) -> int:
-    store = TokenStore(cfg.data.out_dir)
-    return (store.num_samples("train") + store.num_samples("val")) * store.seq_len
 
 
 def build_inputs(cfg, block: int) -> list[list[torch.Tensor]]:
@@ -147,27 +124,24 @@ def with_threads(n: int, fn):
 
 
 def paired(bare_fn, build_fns: dict, repeats: int) -> dict:
-    """Each arm once untimed, then `repeats` rounds alternating order; per-round ratios
-    bare seconds / arm seconds (speed of the arm relative to the bare forward), by wall clock
-    and by this process's CPU seconds (user + system of every thread: the work done, less
-    moved by what else the machine runs; Ray actors' CPU is not in it)."""
-    arms = {"bare": bare_fn, **build_fns}
-    for fn in arms.values():  # warm-up: kernels per shape, page cache, Ray workers
-        fn()
-    secs: dict[str, list[float]] = {k: [] for k in arms}
-    cpu: dict[str, list[float]] = {k: [] for k in arms}
-    for r in range(repeats):
-        order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-        for k in order:
+    """harness.interleaved over the bare forward and the arms; per-round ratios bare seconds /
+    arm seconds, by wall clock and by this process's CPU seconds (user + system of every
+    thread: less moved by what else the machine runs; Ray actors' CPU is not in it)."""
+
+    def cpu_timed(fn):
+        def timed():
             c0 = time.process_time()
-            secs[k].append(arms[k]())
-            cpu[k].append(time.process_time() - c0)
-    out = {"seconds": {k: spread(v) for k, v in secs.items()},
-           "cpu_seconds": {k: spread(v) for k, v in cpu.items()}}  # fmt: skip
-    out["ratio"] = {k: spread([b / a for b, a in zip(secs["bare"], secs[k], strict=True)])
-                    for k in build_fns}  # fmt: skip
-    out["cpu_ratio"] = {k: spread([b / a for b, a in zip(cpu["bare"], cpu[k], strict=True)])
-                        for k in build_fns}  # fmt: skip
+            return fn(), time.process_time() - c0
+
+        return timed
+
+    got = interleaved({k: cpu_timed(f) for k, f in {"bare": bare_fn, **build_fns}.items()}, repeats)
+    out = {}
+    for i, (key, ratio) in enumerate((("seconds", "ratio"), ("cpu_seconds", "cpu_ratio"))):
+        xs = {k: [v[i] for v in vs] for k, vs in got.items()}
+        out[key] = {k: spread(v) for k, v in xs.items()}
+        out[ratio] = {k: spread([b / a for b, a in zip(xs["bare"], xs[k], strict=True)])
+                      for k in build_fns}  # fmt: skip
     return out
 
 
@@ -176,16 +150,10 @@ def run(args) -> dict:
     if args.set:
         tag += "-" + hashlib.sha256(" ".join(args.set).encode()).hexdigest()[:8]
     work = Path(args.work) / tag
-    over = [
-        f"run.dir={work}",
-        f"data.max_documents={args.documents}",
-        "partition.num_blocks=6",
-        f"preinfer.micro_batch={args.micro_batch}",
-        f"cache.dtype={args.dtype}",
-        "train.epochs=null",  # every row cached, as the bare forward computes every row
-        "train.eval_batches=0",
-        *args.set,
-    ]
+    # train.epochs=null: every row cached, as the bare forward computes every row
+    over = [f"run.dir={work}", f"data.max_documents={args.documents}", "partition.num_blocks=6",
+            f"preinfer.micro_batch={args.micro_batch}", f"cache.dtype={args.dtype}",
+            "train.epochs=null", "train.eval_batches=0", *args.set]  # fmt: skip
     server = None
     if args.s3:
         server, url = moto_server()
@@ -200,9 +168,9 @@ def run(args) -> dict:
 
 def _run(args, over: list[str], tag: str) -> dict:
     cfg = load_config(args.config, over)
-    run_tokenize(cfg, log=quiet)
+    store = run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
-    ntok = tokens_total(cfg)
+    ntok = (store.num_samples("train") + store.num_samples("val")) * store.seq_len
     threads = pin_threads()  # as PrefixWorker pins them
     K = args.block
     res: dict = {"bench": "preinfer_throughput", "tokens": ntok, "dtype": args.dtype,
@@ -252,8 +220,7 @@ def _run(args, over: list[str], tag: str) -> dict:
         one = BareForward(local, k, first=k - 1)
         hid = refresh_inputs(local, k, bk)
         full = BareForward(local, k)
-        bp: list[dict] = []
-        rp: list[dict] = []
+        bp, rp = [], []  # the build's and the refresh's phases
         r = paired(lambda full=full, bk=bk: full(bk),
                    {"build": lambda k=k, bp=bp: timed_build(local, k, phases=bp),
                     "refresh": lambda k=k, rp=rp: timed_build(local, k, refresh_cache, rp),
@@ -330,9 +297,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.documents = min(args.documents, 20)
     res = run(args)
-    print(table(res))
-    path = write_results(Path(args.out) if args.out else results_path("preinfer_throughput"), res)
-    print(f"results: {path.name}")
+    publish(res, table(res), args.out, "preinfer_throughput")
     return res
 
 

@@ -4,15 +4,11 @@
     python -m bench.run_all --only cache_io trainer_step
     python -m bench.run_all --skip study --timeout 1800
 
-(from the repo root). A benchmark is a module of the bench package with a top-level
-`main(argv)` that returns a dict (bench/harness.py and bench/__init__.py have none: not
-benchmarks). Each runs in its own fresh subprocess, imported as `bench.<name>` with the repo
-root as working directory (so one benchmark's memory, threads or Ray instance never touch
-another's), with `--quick` when its source declares that flag, else with its defaults. The
-dicts are collected into bench/results/<timestamp>.json and a markdown table
-bench/results/<timestamp>.md (the table README's results section shows). A benchmark that
-fails, times out or returns something other than a dict is recorded as such; the others still
-run.
+A benchmark is a module of the bench package with a top-level `main(argv)` that returns a dict.
+Each runs in a fresh subprocess from the repo root (one benchmark's memory, threads or Ray
+instance never touch another's), with `--quick` when its source declares that flag. The dicts
+go to bench/results/<timestamp>.json and a markdown table bench/results/<timestamp>.md; a
+benchmark that fails, times out or returns no dict is recorded as such, and the others run.
 """
 
 from __future__ import annotations
@@ -28,34 +24,22 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import ROOT, headline_table, rel
+from bench.harness import ROOT, clean, headline_table, rel, write_results
 
 BENCH = Path(__file__).resolve().parent
-SELF = Path(__file__).resolve().name
-NOT_IN_SUITE = ("gpu_check.py",)  # needs a GPU machine: bash bench/gpu_check.sh
+NOT_IN_SUITE = ("run_all.py", "__init__.py", "gpu_check.py")  # gpu_check: bench/gpu_check.sh
 
 # Runs in the child (cwd: the directory holding the bench package): import the benchmark
 # module, call its main, write what it returned.
 _CHILD = r"""
-import importlib, inspect, json, math, os, sys, traceback
+import importlib, inspect, json, os, sys, traceback
 module, out = sys.argv[1], os.environ["BENCH_RESULT_PATH"]
 argv = sys.argv[2:]
 sys.argv = [module, *argv]
-def clean(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {str(k): clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [clean(v) for v in o]
-    if o is None or isinstance(o, (bool, int, float, str)):
-        return o
-    return str(o)
 try:
     mod = importlib.import_module(module)
-    takes_args = len(inspect.signature(mod.main).parameters) > 0
-    res = mod.main(argv) if takes_args else mod.main()
-    rec = {"returned": type(res).__name__, "result": clean(res) if isinstance(res, dict) else None}
+    res = mod.main(argv) if inspect.signature(mod.main).parameters else mod.main()
+    rec = {"returned": type(res).__name__, "result": res if isinstance(res, dict) else None}
     if not isinstance(res, dict):
         rec["repr"] = repr(res)[:500]
 except SystemExit as e:
@@ -64,7 +48,7 @@ except BaseException as e:
     rec = {"returned": "exception", "result": None,
            "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
 with open(out, "w") as f:
-    json.dump(rec, f)
+    json.dump(rec, f, default=str)
 """
 
 
@@ -73,7 +57,7 @@ def discover(bench_dir: Path = BENCH) -> list[dict]:
     --quick. Each record: name (the file's stem), module (`<package>.<name>`), path, quick."""
     found = []
     for path in sorted(bench_dir.glob("*.py")):
-        if path.name in (SELF, "__init__.py", *NOT_IN_SUITE) or path.name.startswith("_"):
+        if path.name in NOT_IN_SUITE or path.name.startswith("_"):
             continue
         rec = {"name": path.stem, "module": f"{bench_dir.name}.{path.stem}", "path": path}
         try:
@@ -81,39 +65,33 @@ def discover(bench_dir: Path = BENCH) -> list[dict]:
         except SyntaxError as e:
             found.append({**rec, "error": f"SyntaxError: {e}"})
             continue
-        mains = [
-            n
-            for n in tree.body
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == "main"
-        ]
-        if not mains:
-            continue
-        quick = any(isinstance(n, ast.Constant) and n.value == "--quick" for n in ast.walk(tree))
-        found.append({**rec, "quick": quick})
+        if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == "main"
+               for n in tree.body):  # fmt: skip
+            quick = any(
+                isinstance(n, ast.Constant) and n.value == "--quick" for n in ast.walk(tree)
+            )
+            found.append({**rec, "quick": quick})
     return found
 
 
 def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool = True) -> dict:
     """Run one benchmark's main in a fresh subprocess; returns its record (never raises)."""
-    name = script["name"]
     if "error" in script:
         return {"status": "failed", "seconds": 0.0, "argv": [], "error": script["error"]}
     argv = ["--quick"] if use_quick and script.get("quick") else []
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}.log"
-    out_path = log_dir / f"{name}.result.json"
+    log_path, out_path = (
+        log_dir / f"{script['name']}.log",
+        log_dir / f"{script['name']}.result.json",
+    )
     out_path.unlink(missing_ok=True)
     env = {**os.environ, "BENCH_RESULT_PATH": str(out_path)}
-    cmd = [sys.executable, "-c", _CHILD, script["module"], *argv]
-    cwd = Path(script["path"]).parent.parent  # the repo root for bench/'s own benchmarks
-    t0 = time.perf_counter()
-    rec: dict = {"argv": argv, "log": rel(log_path)}
+    t0, rec = time.perf_counter(), {"argv": argv, "log": rel(log_path)}
     with open(log_path, "w") as logf:
         try:
-            proc = subprocess.run(
-                cmd, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout
-            )
-            rc = proc.returncode
+            rc = subprocess.run([sys.executable, "-c", _CHILD, script["module"], *argv],
+                                cwd=Path(script["path"]).parent.parent, env=env, stdout=logf,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = None
     rec["seconds"] = time.perf_counter() - t0
@@ -121,26 +99,18 @@ def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool =
     if rc is None:
         rec.update(status="timeout", error=f"no result within {timeout:.0f} s")
     elif child.get("result") is not None:
-        rec.update(status="ok", result=child["result"])
+        rec.update(status="ok", result=clean(child["result"]))
     elif "error" in child:
         rec.update(status="failed", error=child["error"], traceback=child.get("traceback"))
     elif child.get("returned"):
-        rec.update(
-            status="failed",
-            error=f"main() returned {child['returned']} ({child.get('repr', '')}), not a dict",
-        )
+        rec.update(status="failed",
+                   error=f"main() returned {child['returned']} ({child.get('repr', '')}), not a dict")  # fmt: skip
     else:
         rec.update(status="failed", error=f"the process exited with {rc} before main returned")
-    if rec["status"] != "ok" and "error" in rec:
-        rec["log_tail"] = _tail(log_path)
+    if rec["status"] != "ok":
+        lines = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
+        rec["log_tail"] = "\n".join(lines[-15:])
     return rec
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,15 +122,15 @@ def flatten(obj, prefix: str = "", out: dict | None = None, limit: int = 400) ->
     out = {} if out is None else out
     if len(out) >= limit:
         return out
-    if isinstance(obj, dict):
-        for k, v in obj.items():
+    if (
+        isinstance(obj, list | tuple)
+        and len(obj) > 16
+        and all(not isinstance(v, dict | list) for v in obj)
+    ):
+        out[prefix] = f"[{len(obj)} values]"
+    elif isinstance(obj, dict | list | tuple):
+        for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
             flatten(v, f"{prefix}.{k}" if prefix else str(k), out, limit)
-    elif isinstance(obj, list | tuple):
-        if len(obj) > 16 and all(not isinstance(v, dict | list) for v in obj):
-            out[prefix] = f"[{len(obj)} values]"
-        else:
-            for i, v in enumerate(obj):
-                flatten(v, f"{prefix}.{i}" if prefix else str(i), out, limit)
     else:
         out[prefix] = obj
     return out
@@ -176,9 +146,7 @@ def fmt(v) -> str:
             return str(v)
         if v == 0:
             return "0"
-        if abs(v) >= 1e5 or abs(v) < 1e-3:
-            return f"{v:.3g}"
-        return f"{v:.4g}"
+        return f"{v:.3g}" if abs(v) >= 1e5 or abs(v) < 1e-3 else f"{v:.4g}"
     s = str(v).replace("|", "\\|").replace("\n", " ")
     return s if len(s) <= 80 else s[:77] + "..."
 
@@ -191,9 +159,8 @@ def headline(result: dict, n: int = 6) -> str:
             result = result[key]
             break
     leaves = flatten(result)
-    items = list(leaves.items())[:n]
-    more = len(leaves) - len(items)
-    txt = "; ".join(f"{k}={fmt(v)}" for k, v in items)
+    more = len(leaves) - n
+    txt = "; ".join(f"{k}={fmt(v)}" for k, v in list(leaves.items())[:n])
     return txt + (f"; … (+{more})" if more > 0 else "")
 
 
@@ -215,19 +182,10 @@ def markdown(run: dict, max_rows: int = 60) -> str:
             continue
         leaves = flatten(rec["result"])
         L += ["| metric | value |", "|---|---|"]
-        for k, v in list(leaves.items())[:max_rows]:
-            L.append(f"| {fmt(k)} | {fmt(v)} |")
+        L += [f"| {fmt(k)} | {fmt(v)} |" for k, v in list(leaves.items())[:max_rows]]
         if len(leaves) > max_rows:
             L.append(f"| … | {len(leaves) - max_rows} more in the JSON |")
     return "\n".join(L) + "\n"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -240,18 +198,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bench-dir", default=str(BENCH), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     scripts = discover(Path(args.bench_dir))
-    if args.only:
-        unknown = set(args.only) - {s["name"] for s in scripts}
-        if unknown:
-            ap.error(f"no benchmark named {', '.join(sorted(unknown))}")
-        scripts = [s for s in scripts if s["name"] in args.only]
+    unknown = set(args.only or []) - {s["name"] for s in scripts}
+    if unknown:
+        ap.error(f"no benchmark named {', '.join(sorted(unknown))}")
+    scripts = [s for s in scripts if s["name"] in (args.only or [s["name"]])]
     scripts = [s for s in scripts if s["name"] not in args.skip]
-    results_dir = Path(args.results_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results_dir, stamp = Path(args.results_dir), time.strftime("%Y%m%d-%H%M%S")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                                capture_output=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
     run = {"command": "python -m bench.run_all" + (" " + " ".join(argv) if argv else ""),
-           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit(), "scripts": {},
-           "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                    "python": platform.python_version(), "loadavg_start": os.getloadavg()[0]}}  # fmt: skip
+           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit or "unknown",
+           "scripts": {}, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                                   "python": platform.python_version(),
+                                   "loadavg_start": os.getloadavg()[0]}}  # fmt: skip
     t0 = time.perf_counter()
     for s in scripts:
         print(f"bench: {s['name']} ...", flush=True)
@@ -261,11 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"bench: {s['name']}: {rec['status']} in {rec['seconds']:.0f} s", flush=True)
     run["seconds"] = time.perf_counter() - t0
     run["host"]["loadavg_end"] = os.getloadavg()[0]
-    json_path = results_dir / f"{stamp}.json"
-    md_path = results_dir / f"{stamp}.md"
+    json_path, md_path = results_dir / f"{stamp}.json", results_dir / f"{stamp}.md"
     run["json"], run["markdown"] = rel(json_path), rel(md_path)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(run, indent=1))
+    write_results(json_path, run)
     md_path.write_text(markdown(run))
     ok = sum(r["status"] == "ok" for r in run["scripts"].values())
     print(f"bench: {ok}/{len(run['scripts'])} ok; wrote {run['json']} and {run['markdown']}")

@@ -1,5 +1,5 @@
 """The study to the plateau: BCD (with the cache, and recomputing its prefix) against full
-training, each arm's lr swept, best against best.
+training, each arm's lr swept, best against best (docs/quality.md says what and why).
 
     python -m bench.study                 # both layouts, M=3 and 6, 3 seeds, 3 lrs (many hours)
     python -m bench.study --quick         # make bench: LLaMA layout, M=3, one seed (minutes)
@@ -9,31 +9,15 @@ training, each arm's lr swept, best against best.
     python -m bench.study --layouts llama --M 3 --variant head train.always_train=[head] \\
         --variant random train.order=random --set train.epochs=0.33
 
-(from the repo root). Per layout (gpt2: tied head, wte in block 0; llama: untied head in the
-last block, GQA 2:1) and seed, every arm starts from the same init checkpoint and token store
-and runs in its own process (bench/arms.py; --inline: in this one; the arithmetic is
-bench/harness.py's):
-
-  full           every parameter, from tokens, until its val ppl stops improving: `patience`
-                 whole-val evaluations (every steps_per_visit steps) without a gain of more
-                 than min_rel_delta, or full_cap steps (its cosine horizon). Run once per
-                 (layout, seed, lr) and shared by every M (same init weights, same batches).
-  bcd            the rotation from the cache; bcd-recompute the same, prefix rerun every step;
-  --variant NAME KEY=VALUE...   a bcd arm with these config overrides (train.mode=... picks
-                 its mode); --set KEY=VALUE applies to every arm.
-                 Each BCD arm trains until its whole-val ppl (after every visit) reaches full's
-                 best (full at its best lr, same seed), or bcd_factor x full's steps to it.
-
-Measured at the plateau: B-F multiplier = BCD steps to full's best ppl / full's steps to its
-best; wall-clock ratio = BCD seconds to it / full's seconds to its best (clocks: everything the
-product does minus every evaluation). Every arm's lr is swept over Scale.lrs: full's best lr
-has the lowest median best ppl over seeds; a BCD arm's the lowest median B-F multiplier (not
-reached = infinite; ties: lowest median ppl). A best lr at the grid's edge is flagged: widen the
-sweep. Medians and [min, max] over all seeds, a seed that did not reach counted as not reached
-(harness.spread), "n of N reached" beside them; arms interleaved (the lr x arm order rotated per
-seed; full's runs come first, since every BCD arm needs its target);
-the load average at every arm's start and end. Output: a printed table and
-bench/results/study[-quick|-tiny]-<time>.json (no machine paths).
+Per layout (gpt2: tied head; llama: untied head, GQA 2:1) and seed, every arm starts from one
+init checkpoint and token store, each in its own process (bench/arms.py; --inline: this one).
+full trains every parameter to its plateau (harness.plateau, or full_cap steps), once per
+(layout, seed, lr), shared by every M; each BCD arm (bcd, bcd-recompute, --variant NAME
+KEY=VALUE...) trains until its whole-val ppl after a visit reaches full's best (best lr, same
+seed), or bcd_factor x full's steps to it. B-F multiplier = BCD steps to full's best ppl /
+full's steps to it; wall-clock ratio likewise in seconds less every evaluation. Every arm's lr
+is swept (harness.select_lr); medians over all seeds (harness.spread, "n of N reached"); arms
+interleaved per seed. Output: a table and bench/results/study[-preset]-<time>.json.
 """
 
 from __future__ import annotations
@@ -42,7 +26,6 @@ import argparse
 import copy
 import dataclasses
 import math
-import os
 import sys
 import tempfile
 import time
@@ -51,22 +34,8 @@ from pathlib import Path
 
 import torch
 
-from bench.arms import Stop, prepare, run_arm
-from bench.harness import (
-    first_reach,
-    headline_table,
-    interleave,
-    load_average,
-    multiplier,
-    plateau,
-    reached,
-    rel,
-    results_path,
-    select_lr,
-    show,
-    spread,
-    write_results,
-)
+from bench import harness as h
+from bench.arms import Stop, host, prepare, run_arm
 
 
 @dataclass
@@ -125,17 +94,13 @@ TINY = Scale(
     steps_per_visit=3, full_cap=12, patience=2, seeds=[0], lrs=[1e-3, 1e-2, 3e-2],
     val_batches=2, warmup_steps=1,
 )  # fmt: skip
-# preset -> (scale, layouts, Ms)
-PRESETS = {
+PRESETS = {  # preset -> (scale, layouts, Ms)
     "default": (DEFAULT, ["gpt2", "llama"], [3, 6]),
     "quick": (QUICK, ["llama"], [3]),
     "small": (SMALL, ["llama", "gpt2"], [3]),
     "tiny": (TINY, ["gpt2"], [3]),
 }
-BASE_ARMS = {
-    "bcd": Arm("bcd", [], "bcd"),
-    "bcd-recompute": Arm("bcd-recompute", [], "bcd-recompute"),
-}
+BASE_ARMS = {m: Arm(m, [], m) for m in ("bcd", "bcd-recompute")}
 SHARED = ("model.", "data.", "partition.", "run.")  # every arm must share these: full is shared
 
 
@@ -207,21 +172,24 @@ def parse_variant(spec: list[str]) -> Arm:
     return Arm(name, list(sets), mode)
 
 
+def _by_seed(sc: Scale, by_lr: dict[float, list[dict]]) -> dict[float, list[dict]]:
+    """Each lr's records in seed order, whatever order they ran in."""
+    return {lr: sorted(recs, key=lambda r: sc.seeds.index(r["seed"])) for lr, recs in by_lr.items()}
+
+
 def run_full(sc: Scale, work: Path, layout: str, M: int, opts: dict, log) -> dict:
     """Full at every (seed, lr), to its plateau. Returns {lr: [record per seed]}."""
     runs: dict[float, list[dict]] = {lr: [] for lr in sc.lrs}
     stop = Stop(patience=sc.patience, min_rel_delta=sc.min_rel_delta, min_steps=sc.min_steps)
     for i, seed in enumerate(sc.seeds):
-        for lr in interleave(list(sc.lrs), i):
+        for lr in h.interleave(list(sc.lrs), i):
             rec = run_one(sc, work, Arm("full", [], "full"), layout=layout, M=M, seed=seed, lr=lr,
                           stop=stop, log=log, **opts)  # fmt: skip
-            p = plateau(rec["curve"], sc.patience, sc.min_rel_delta, sc.min_steps)
+            p = h.plateau(rec["curve"], sc.patience, sc.min_rel_delta, sc.min_steps)
             rec.update(best=p["best"], plateaued=p["plateaued"], best_ppl=p["best"]["ppl"],
                        steps_to_best=p["best"]["steps"])  # fmt: skip
             runs[lr].append(rec)
-    for lr in runs:  # seed order, whatever order they ran in
-        runs[lr].sort(key=lambda r: sc.seeds.index(r["seed"]))
-    return runs
+    return _by_seed(sc, runs)
 
 
 def run_bcd_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], full: dict,
@@ -233,33 +201,30 @@ def run_bcd_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], fu
     for i, seed in enumerate(sc.seeds):
         best = full[seed]["best"]
         stop = Stop(target_ppl=best["ppl"], cap_steps=math.ceil(sc.bcd_factor * best["steps"]))
-        for arm, lr in interleave(jobs, i):
+        for arm, lr in h.interleave(jobs, i):
             rec = run_one(sc, work, arm, layout=layout, M=M, seed=seed, lr=lr, stop=stop, log=log,
                           **opts)  # fmt: skip
-            hit = first_reach(rec["curve"], best["ppl"])
-            rec.update(multiplier(hit, best), reach_steps=hit["steps"] if hit else None)
+            hit = h.first_reach(rec["curve"], best["ppl"])
+            rec.update(h.multiplier(hit, best), reach_steps=hit["steps"] if hit else None)
             rec.update(target_ppl=best["ppl"], cap_steps=stop.cap_steps,
                        best_ppl=min(p["ppl"] for p in rec["curve"]) if rec["curve"] else None)  # fmt: skip
             runs[arm.name][lr].append(rec)
-    for by_lr in runs.values():
-        for recs in by_lr.values():
-            recs.sort(key=lambda r: sc.seeds.index(r["seed"]))
-    return runs
+    return {name: _by_seed(sc, by_lr) for name, by_lr in runs.items()}
 
 
 def analyse(full_runs: dict, bcd_runs: dict) -> dict:
     """Best lr per arm and, at it, the per-seed figures with their spreads (harness.spread)."""
-    fsel = select_lr(full_runs, "best_ppl", tie="steps_to_best")
+    fsel = h.select_lr(full_runs, "best_ppl", tie="steps_to_best")
     best_full = full_runs[fsel["lr"]]
     out = {"full": {"select": fsel, "plateaued": sum(r["plateaued"] for r in best_full),
                     "seeds": len(best_full), "seconds_to_best":
-                    spread([r["best"]["seconds"] for r in best_full]),
-                    **{k: spread([r[k] for r in best_full]) for k in ("best_ppl", "steps_to_best")}}}  # fmt: skip
+                    h.spread([r["best"]["seconds"] for r in best_full]),
+                    **{k: h.spread([r[k] for r in best_full]) for k in ("best_ppl", "steps_to_best")}}}  # fmt: skip
     for name, by_lr in bcd_runs.items():
-        sel = select_lr(by_lr, "bf_multiplier", tie="best_ppl")
+        sel = h.select_lr(by_lr, "bf_multiplier", tie="best_ppl")
         recs = by_lr[sel["lr"]]
         out[name] = {"select": sel, "reached": sum(r["reached"] for r in recs), "seeds": len(recs),
-                     **{k: spread([r[k] for r in recs]) for k in ("reach_steps", "bf_multiplier",
+                     **{k: h.spread([r[k] for r in recs]) for k in ("reach_steps", "bf_multiplier",
                         "time_ratio", "best_ppl", "cache_share")}}  # fmt: skip
     return out
 
@@ -271,14 +236,14 @@ def render(studies: list[dict]) -> str:
         for name, r in s["analysis"].items():
             sel = r["select"]
             lr = f"{sel['lr']:g}{' (edge)' if sel['edge'] else ''} ({', '.join(f'{x:g}' for x in sel['by_lr'])})"
-            head = (s["layout"], str(s["M"]), name, lr, show(r["best_ppl"], "{:.1f}"))
+            head = (s["layout"], str(s["M"]), name, lr, h.show(r["best_ppl"], "{:.1f}"))
             if name == "full":
-                rows.append((*head, show(r["steps_to_best"], "{:.0f}"), "1", "1",
+                rows.append((*head, h.show(r["steps_to_best"], "{:.0f}"), "1", "1",
                              f"plateau {r['plateaued']}/{r['seeds']}"))  # fmt: skip
             else:
-                rows.append((*head, show(r["reach_steps"], "{:.0f}"), show(r["bf_multiplier"]),
-                             show(r["time_ratio"]), reached(r["bf_multiplier"])))  # fmt: skip
-    return headline_table(rows)
+                rows.append((*head, h.show(r["reach_steps"], "{:.0f}"), h.show(r["bf_multiplier"]),
+                             h.show(r["time_ratio"]), h.reached(r["bf_multiplier"])))  # fmt: skip
+    return h.headline_table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -310,10 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     preset = "quick" if a.quick else "small" if a.small else "tiny" if a.tiny else "default"
     base, layouts, Ms = PRESETS[preset]
     sc = copy.deepcopy(base)
-    if a.seeds:
-        sc.seeds = a.seeds
-    if a.lrs:
-        sc.lrs = a.lrs
+    sc.seeds, sc.lrs = a.seeds or sc.seeds, a.lrs or sc.lrs
     layouts, Ms = a.layouts or layouts, a.M or Ms
     try:
         arms = [BASE_ARMS[n] for n in (a.arms if a.arms is not None else BASE_ARMS)]
@@ -328,34 +290,34 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="study-")
     work = Path(a.work or tmp.name)
     opts = {"config": a.config, "sets": tuple(a.sets), "inline": a.inline, "threads": a.threads}
-    t0, load0 = time.perf_counter(), load_average()
+    t0, load0 = time.perf_counter(), h.load_average()
     print(f"study ({preset}): layouts {layouts}, M {Ms}, seeds {sc.seeds}, lrs {sc.lrs}, "
           f"arms full + {[x.name for x in arms]} (load {load0})", flush=True)  # fmt: skip
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     studies = []
     for layout in layouts:
         full_runs = run_full(sc, work, layout, min(Ms), opts, log)
-        fsel = select_lr(full_runs, "best_ppl", tie="steps_to_best")
+        fsel = h.select_lr(full_runs, "best_ppl", tie="steps_to_best")
         best_full = {r["seed"]: r for r in full_runs[fsel["lr"]]}
         for M in Ms:
             bcd_runs = run_bcd_arms(sc, work, layout, M, arms, best_full, opts, log)
             studies.append({"layout": layout, "M": M, "analysis": analyse(full_runs, bcd_runs),
                             "full_runs": full_runs, "bcd_runs": bcd_runs})  # fmt: skip
-    table = render(studies)
+    args = []  # the command line as recorded: --work and --out values (machine paths) left out
+    for prev, x in zip([None, *argv], argv, strict=False):
+        if prev not in ("--work", "--out"):
+            args.append(f"{x} <{x[2:]}>" if x in ("--work", "--out") else x)
     res = {
-        "command": command(argv),
+        "command": " ".join(["python -m bench.study", *args]),
         "preset": preset, "scale": asdict(sc), "layouts": {k: LAYOUTS[k] for k in layouts},
         "M": Ms, "arms": [asdict(x) for x in arms], "sets": a.sets,
-        "config": a.config, "studies": studies, "table": table,
-        "load_start": load0, "load_end": load_average(), "seconds": time.perf_counter() - t0,
-        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "config": a.config, "studies": studies, "table": render(studies),
+        "load_start": load0, "load_end": h.load_average(), "seconds": time.perf_counter() - t0,
+        **host(),
     }  # fmt: skip
-    print(table)
     print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
-    out = Path(a.out or results_path("study" + ("" if preset == "default" else f"-{preset}")))
-    write_results(out, res)
-    print(f"wrote {rel(out)}")
+    name = "study" + ("" if preset == "default" else f"-{preset}")
+    out = h.publish(res, res["table"], a.out, name)
     if tmp is not None:
         tmp.cleanup()
     head = {}
@@ -365,21 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
                 key = f"{s['layout']}.M{s['M']}.{name}"
                 head[f"{key}.bf_multiplier"] = r["bf_multiplier"]["median"]
                 head[f"{key}.time_ratio"] = r["time_ratio"]["median"]
-    return {"headline": head, "results": rel(out), "seconds": res["seconds"]}
-
-
-def command(argv: list[str] | None) -> str:
-    """The command line as recorded: --work and --out values (this machine's paths) left out."""
-    args, skip = [], False
-    for x in argv or []:
-        if skip:
-            skip = False
-        elif x in ("--work", "--out"):
-            skip = True
-            args.append(f"{x} <{x[2:]}>")
-        else:
-            args.append(x)
-    return " ".join(["python -m bench.study", *args])
+    return {"headline": head, "results": h.rel(out), "seconds": res["seconds"]}
 
 
 if __name__ == "__main__":

@@ -4,29 +4,27 @@
         [--block 1] [--repeats 5] [--steps 3] [--quick]
 
 For one block of the config's model (block 0 from token ids, else from a (B, S, H) hidden
-input as a cache gives it), the same optimizer steps (preinfer.train.step.train_step: the fused
-LM head + loss, AdamW, grad clip) under run.precision=fp32 and =bf16, the arms interleaved
-(fp32, bf16, fp32, ...) after a warm-up step each; median and spread of the per-step seconds,
-tokens/s, the speed-up, the load average, and what run.precision=auto resolves to here.
+input as a cache gives it), the same optimizer steps (bench/arms.py's BlockStep: train_step
+over the fused LM head + loss, AdamW, grad clip) under run.precision=fp32 and =bf16, the arms
+interleaved after a warm-up; median and spread of the per-step seconds, tokens/s, the
+speed-up, the load average, and what run.precision=auto resolves to here.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
-import time
+from pathlib import Path
 
 import torch
 
+from bench.arms import BlockStep
+from bench.harness import interleaved, write_results
 from preinfer.checkpoint.init import init_checkpoint
-from preinfer.model.loss import mode_loss
-from preinfer.model.partition import trainable_parameters
 from preinfer.run.config import load_config
 from preinfer.runtime.device import cpu_native_bf16, resolve_device, training_precision
-from preinfer.train.step import build_optimizer, train_step
 
 ARMS = ("fp32", "bf16")
 
@@ -49,44 +47,18 @@ def main(argv=None) -> dict:
         a.config, a.seq, a.repeats, a.steps = "configs/demo.yaml", 64, 2, 1
     cfg = load_config(a.config, a.set)
     device = resolve_device(cfg.run.device)
-    B, S = a.batch or cfg.train.batch_size, a.seq
+    B, S, K = a.batch or cfg.train.batch_size, a.seq, a.block
+    g = torch.Generator().manual_seed(0)
+    V, H = cfg.model.vocab_size, cfg.model.hidden_size
+    labels = torch.randint(0, V, (B, S), generator=g)
+    x = torch.randint(0, V, (B, S), generator=g) if K == 0 else torch.randn(B, S, H, generator=g)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = init_checkpoint(cfg.model, cfg.partition.num_blocks, f"{tmp}/ckpt")
-        K = a.block
-        model, adapter = ckpt.load(range(K, ckpt.num_blocks), device=device)
-        part = ckpt.partition
-        for p in model.parameters():
-            p.requires_grad_(False)
-        params = trainable_parameters(model, adapter, part, K)
-        for p in params:
-            p.requires_grad_(True)
-        g = torch.Generator().manual_seed(0)
-        V, H = cfg.model.vocab_size, cfg.model.hidden_size
-        labels = torch.randint(0, V, (B, S), generator=g)
-        x = (
-            torch.randint(0, V, (B, S), generator=g)
-            if K == 0
-            else torch.randn(B, S, H, generator=g)
-        )
-
-        def loss_fn(xb, yb):
-            return mode_loss(adapter, part, xb, yb, mode="bcd", block=K, chunk=cfg.train.loss_chunk)
-
-        opts = {arm: build_optimizer(params, cfg.train) for arm in ARMS}
-        times: dict[str, list[float]] = {arm: [] for arm in ARMS}
         load_start = os.getloadavg()
-        for arm in ARMS:  # warm-up: one step each (kernels, allocator)
-            train_step(loss_fn, params, opts[arm], (x, labels), cfg.train, 5, device=device,
-                       precision=arm)  # fmt: skip
-        for _ in range(a.repeats):
-            for arm in ARMS:
-                t0 = time.perf_counter()
-                for s in range(a.steps):
-                    train_step(loss_fn, params, opts[arm], (x, labels), cfg.train, 5 + s,
-                               device=device, precision=arm)  # fmt: skip
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[arm].append((time.perf_counter() - t0) / a.steps)
+        arms = {p: BlockStep("bcd", cfg, ckpt, K, device) for p in ARMS}
+        times = interleaved({p: lambda p=p: sum(arms[p].step((x, labels), precision=p)
+                                                for _ in range(a.steps)) / a.steps
+                             for p in ARMS}, a.repeats)  # fmt: skip
     med = {arm: statistics.median(t) for arm, t in times.items()}
     auto, why = training_precision(device, "auto")
     res = {
@@ -104,19 +76,18 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     print(f"block {K} of {a.config} ({', '.join(a.set) or 'as configured'}), batch {B} x S {S}, "
           f"{res['threads']} threads, {res['device']} {res['cpu'] or ''}")  # fmt: skip
-    print("| precision | median s/step | spread (min..max) | tokens/s |")
-    print("|---|---|---|---|")
+    print("| precision | median s/step | spread (min..max) | tokens/s |\n|---|---|---|---|")
     for arm in ARMS:
         lo, hi = res["spread"][arm]
         print(f"| {arm} | {med[arm]:.3f} | {lo:.3f}..{hi:.3f} | {res['tokens_per_s'][arm]:.0f} |")
     pairs = sorted(res["paired_speedups"])
     print(f"bf16 speed-up: {res['speedup_bf16']:.2f}x (medians); per interleaved pair: median "
           f"{statistics.median(pairs):.2f}x, {pairs[0]:.2f}..{pairs[-1]:.2f}")  # fmt: skip
-    print(f"run.precision=auto here: {auto} ({why})")
-    print(f"load average: {load_start} -> {res['load_end']}")
+    print(
+        f"run.precision=auto here: {auto} ({why})\nload average: {load_start} -> {res['load_end']}"
+    )
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_results(Path(a.out), res)
     return res
 
 

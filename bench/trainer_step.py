@@ -19,7 +19,6 @@ For the last block and a middle block of the config's model, in one run on one m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -27,17 +26,15 @@ from pathlib import Path
 
 import torch
 
-from bench.arms import PeakMemory, in_child
-from bench.harness import headline_table
+from bench.arms import BlockStep, PeakMemory, in_child
+from bench.harness import headline_table, interleaved, write_results
 from preinfer.checkpoint.init import init_checkpoint
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.adapters import forward_blocks
-from preinfer.model.loss import blocks_loss, mode_loss
-from preinfer.model.partition import trainable_parameters
+from preinfer.model.loss import blocks_loss
 from preinfer.run.config import load_config
 from preinfer.runtime.device import resolve_device
 from preinfer.train.batches import CacheBatches
-from preinfer.train.step import build_optimizer, train_step
 
 
 def setup(cfg, work: Path):
@@ -72,58 +69,7 @@ def make_cache(cfg, ckpt, block: int, work: Path, n: int):
     return open_cache(root, fp)
 
 
-class Arm:
-    """One way of taking a trainer step for block K (or all blocks, for full)."""
-
-    def __init__(self, name, cfg, ckpt, block, cache, device):
-        self.name, self.cfg, self.block, self.device = name, cfg, block, device
-        M = ckpt.num_blocks
-        first = block if name == "bcd" else 0
-        self.model, self.adapter = ckpt.load(range(first, M), device=device)
-        self.part, self.M = ckpt.partition, M
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        blocks = range(M) if name == "full" else [block]
-        self.params = list({id(p): p for b in blocks for p in
-                            trainable_parameters(self.model, self.adapter, self.part, b)}.values())  # fmt: skip
-        for p in self.params:
-            p.requires_grad_(True)
-        self.opt = build_optimizer(self.params, cfg.train)
-        B = cfg.train.batch_size
-        self.cache_batches = CacheBatches(cache, batch_size=B, seed=0) if name == "bcd" else None
-        g = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, ckpt.vocab_size, (B, cfg.data.seq_len + 1), generator=g)
-        self.it, self.step_i = None, 0
-
-    def loss(self, x, labels):  # the trainer's own (preinfer.run.visit.Visit.loss)
-        if self.name == "bcd-recompute" and self.block > 0:  # the frozen prefix, without grad
-            with torch.no_grad():
-                x = forward_blocks(self.adapter, self.part, x, 0, self.block)
-        return mode_loss(self.adapter, self.part, x, labels, mode=self.name, block=self.block,
-                         chunk=self.cfg.train.loss_chunk)  # fmt: skip
-
-    def batch(self):
-        if self.name != "bcd":
-            return self.ids[:, :-1], self.ids[:, 1:]
-        if self.it is None:
-            self.it = iter(self.cache_batches.epoch(0))
-        try:
-            return next(self.it)
-        except StopIteration:
-            self.it = iter(self.cache_batches.epoch(1))
-            return next(self.it)
-
-    def step(self) -> float:
-        t0 = time.perf_counter()
-        train_step(self.loss, self.params, self.opt, self.batch(), self.cfg.train, self.step_i,
-                   device=self.device)  # fmt: skip
-        self.step_i += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-
-def bare_ratio(arm_recompute: Arm, repeats: int) -> float:
+def bare_ratio(arm_recompute: BlockStep, repeats: int) -> float:
     """Ideal speed-up: time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd)."""
     a, K = arm_recompute, arm_recompute.block
     x, labels = a.ids[:, :-1], a.ids[:, 1:]
@@ -135,7 +81,7 @@ def bare_ratio(arm_recompute: Arm, repeats: int) -> float:
         with torch.no_grad():
             forward_blocks(a.adapter, a.part, x, 0, K)
         t1 = time.perf_counter()
-        blocks_loss(a.adapter, a.part, h, labels, K, a.cfg.train.loss_chunk).backward()
+        blocks_loss(a.adapter, a.part, h, labels, K, a.chunk).backward()
         t2 = time.perf_counter()
         a.opt.zero_grad(set_to_none=True)
         pre.append(t1 - t0)
@@ -174,7 +120,7 @@ def memory_child(spec: dict, _ask=None) -> dict:
     if spec["cold"]:  # the arm's own libraries count: what a fresh process's RSS shows
         torch.nn.Linear(8, 8)(torch.randn(2, 8)).sum().backward()
     mem = PeakMemory(device.type)
-    arm = Arm(spec["arm"], cfg, ckpt, spec["block"], cache, device)
+    arm = BlockStep(spec["arm"], cfg, ckpt, spec["block"], device, cache=cache)
     for _ in range(3):
         arm.step()
     return {"peak_growth_mb": mem.stop() - mem.baseline}
@@ -199,13 +145,8 @@ def run(args) -> dict:
         cache = make_cache(cfg, ckpt, block, work, args.samples)
         make_cache(cfg, ckpt, 1, work / "warm-up", 2)  # for the memory children's warm-up
         names = ("bcd", "bcd-recompute", "full")
-        arms = {n: Arm(n, cfg, ckpt, block, cache, device) for n in names}
-        for a in arms.values():
-            a.step()  # warm-up
-        times = {n: [] for n in arms}
-        for _ in range(args.repeats):  # interleaved: noise hits every arm alike
-            for n, a in arms.items():
-                times[n].append(a.step())
+        arms = {n: BlockStep(n, cfg, ckpt, block, device, cache=cache) for n in names}
+        times = interleaved({n: a.step for n, a in arms.items()}, args.repeats)
         med = {n: statistics.median(t) for n, t in times.items()}
         ideal = bare_ratio(arms["bcd-recompute"], args.repeats)
         del arms
@@ -266,7 +207,7 @@ def main(argv=None) -> dict | None:
         res = run(args)
     print(table(res))
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2))
+        write_results(Path(args.out), res)
     return res
 
 

@@ -5,21 +5,21 @@
 
 Both arms train the same parameters of the same weights on the same batch, fp32, on the same
 threads, in one process, interleaved (A B / B A), medians with min..max:
-- `preinfer`: the visit's own step (blocks > 0: the frozen prefix first, without grad) (`preinfer.train.step.train_step` over `mode_loss`, the model
-  as `Checkpoint.load` builds it, the trainable set `freeze_except` gives, preinfer's AdamW),
-  with the config's fused chunked loss (train.loss_chunk);
+- `preinfer`: the visit's own step (bench/arms.py's BlockStep in bcd-recompute mode: the model
+  as `Checkpoint.load` builds it, block K's trainable set, preinfer's AdamW; blocks > 0: the
+  frozen prefix first, without grad) with the config's fused chunked loss (train.loss_chunk);
 - `preinfer, unfused loss`: the same with train.loss_chunk=0 (the whole batch's logits);
 - `badam`: the HF model as `from_pretrained` builds it, PyPI `badam`'s BlockOptimizer over
-  AdamW with preinfer's blocks as its block list (bench.peers_arms.layer_prefixes), HF's own
-  loss over the logits (bench.peers_arms.response_loss, the peers bench's), clip and step.
-Each arm's step is split into forward + loss, backward, and clip + optimizer step (seconds of
-each, medians), which is where a gap shows. The arms' losses on the first step must agree
-(same weights, same batch): the table prints them.
+  AdamW with preinfer's blocks as its block list (bench.peers_arms.layer_prefixes), the peers
+  bench's loss (bench.peers_arms.response_loss), clip and step.
+Each step is split into forward + loss, backward, and clip + optimizer step, which is where a
+gap shows. The arms' first-step losses must agree (same weights, same batch).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -27,45 +27,11 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import (
-    ROOT,
-    headline_table,
-    load_average,
-    results_path,
-    show,
-    spread,
-    write_results,
-)
-from bench.peers_arms import GRAD_CLIP, INSTALL, badam, layer_prefixes, response_loss
+from bench.arms import BlockStep
+from bench.harness import ROOT, headline_table, interleaved, load_average, publish, show, spread
+from bench.peers_arms import GRAD_CLIP, INSTALL, REAL_MODEL, badam, layer_prefixes, response_loss
 from preinfer.checkpoint.init import init_checkpoint
-from preinfer.model.adapters import forward_blocks
-from preinfer.model.loss import mode_loss
-from preinfer.model.partition import freeze_except
 from preinfer.run.config import load_config
-from preinfer.train.step import build_optimizer
-
-MODEL = ROOT / "models" / "smollm2-135m-instruct"
-
-
-class PreinferArm:
-    """Block `block` of the preinfer checkpoint trained from tokens, as a visit steps it."""
-
-    def __init__(self, cfg, ckpt, block: int, chunk: int):
-        self.model, self.adapter = ckpt.load()
-        self.part, self.block, self.chunk = ckpt.partition, block, chunk
-        self.params = freeze_except(self.model, self.adapter, self.part, block)
-        self.model.train()
-        self.opt = build_optimizer(self.params, cfg.train)
-
-    def loss(self, x, labels):
-        if self.block > 0:  # bcd-recompute: the frozen prefix without grad, as a visit runs it
-            with torch.no_grad():
-                x = forward_blocks(self.adapter, self.part, x, 0, self.block)
-        return mode_loss(self.adapter, self.part, x, labels, mode="bcd-recompute",
-                         block=self.block, chunk=self.chunk)  # fmt: skip
-
-    def step(self, x, labels) -> tuple[float, list[float]]:
-        return timed_step(self.opt, lambda: self.loss(x, labels), lambda: self.params)
 
 
 def timed_step(opt, loss_fn, params_fn) -> tuple[float, list[float]]:
@@ -82,23 +48,23 @@ def timed_step(opt, loss_fn, params_fn) -> tuple[float, list[float]]:
     return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
 
 
-class BadamArm:
+def preinfer_step(arm: BlockStep):
+    return lambda x, labels: timed_step(arm.opt, lambda: arm.loss(x, labels), lambda: arm.params)
+
+
+def badam_step(model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: float):
     """The HF model with BAdam's BlockOptimizer on preinfer's blocks, block `block` active."""
+    import transformers as tf
 
-    def __init__(self, model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: float):
-        import transformers as tf
-
-        self.model = tf.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
-        )
-        self.opt = badam(self.model, lr, layer_prefixes(blocks))
-        for _ in range(block):
-            self.opt.switch_trainable_params(verbose=0)
-        self.model.train()
-
-    def step(self, x, labels) -> tuple[float, list[float]]:
-        return timed_step(self.opt, lambda: response_loss(self.model, x, labels), lambda: [
-            p for p in self.model.parameters() if p.requires_grad and p.grad is not None])  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    )
+    opt = badam(model, lr, layer_prefixes(blocks))
+    for _ in range(block):
+        opt.switch_trainable_params(verbose=0)
+    model.train()
+    return lambda x, labels: timed_step(opt, lambda: response_loss(model, x, labels), lambda: [
+        p for p in model.parameters() if p.requires_grad and p.grad is not None])  # fmt: skip
 
 
 def run(args) -> dict:
@@ -108,26 +74,34 @@ def run(args) -> dict:
     over = ["model.arch=llama", f"model.checkpoint={args.model}", f"data.tokenizer={args.model}",
             f"partition.num_blocks={args.blocks}", f"train.lr={args.lr}", *args.set]  # fmt: skip
     cfg = load_config(ROOT / "configs" / "finetune.yaml", over)
+    cpu = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = init_checkpoint(cfg.model, cfg.partition.num_blocks, Path(tmp) / "checkpoint")
-        arms = {
-            "preinfer": PreinferArm(cfg, ckpt, args.block, cfg.train.loss_chunk),
-            "preinfer, unfused loss": PreinferArm(cfg, ckpt, args.block, 0),
-            "badam": BadamArm(args.model, ckpt.partition.blocks, args.block, args.lr),
+        steps = {
+            "preinfer": preinfer_step(BlockStep("bcd-recompute", cfg, ckpt, args.block, cpu)),
+            "preinfer, unfused loss": preinfer_step(
+                BlockStep("bcd-recompute", cfg, ckpt, args.block, cpu, chunk=0)
+            ),
+            "badam": badam_step(args.model, ckpt.partition.blocks, args.block, args.lr),
         }
-        V = ckpt.vocab_size
     g = torch.Generator().manual_seed(0)
+    V = ckpt.vocab_size
     batches = [torch.randint(0, V, (args.batch, args.seq + 1), generator=g) for _ in range(4)]
+
+    def arm(step):  # every arm reads the batches in the same order, the first one untimed
+        it = itertools.cycle(batches)
+
+        def one():
+            b = next(it)
+            return step(b[:, :-1], b[:, 1:])
+
+        return one
+
+    arms = {k: arm(step) for k, step in steps.items()}
     load0 = load_average()
-    first = {k: a.step(batches[0][:, :-1], batches[0][:, 1:])[0] for k, a in arms.items()}
-    secs = {k: [] for k in arms}
-    parts = {k: [] for k in arms}
-    for r in range(args.repeats):
-        b = batches[(r + 1) % len(batches)]
-        for k in list(arms) if r % 2 == 0 else list(arms)[::-1]:
-            _, p = arms[k].step(b[:, :-1], b[:, 1:])
-            secs[k].append(sum(p))
-            parts[k].append(p)
+    first = {k: fn()[0] for k, fn in arms.items()}
+    got = interleaved(arms, args.repeats, warm_up=False)
+    secs = {k: [sum(p) for _, p in v] for k, v in got.items()}
     ref = secs["badam"]
     return {
         "bench": "visit_step", "model": str(args.model), "block": args.block,
@@ -136,8 +110,8 @@ def run(args) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "load_before": load0, "load_after": load_average(), "first_step_loss": first,
         "seconds": {k: spread(v) for k, v in secs.items()},
-        "parts": {k: [statistics.median(p[i] for p in v) for i in range(3)]
-                  for k, v in parts.items()},
+        "parts": {k: [statistics.median(p[i] for _, p in v) for i in range(3)]
+                  for k, v in got.items()},
         "badam_over_arm": {k: spread([b / a for b, a in zip(ref, v, strict=True)])
                            for k, v in secs.items()},
     }  # fmt: skip
@@ -156,7 +130,7 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--model", type=Path, default=REAL_MODEL)
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--block", type=int, default=0)
     ap.add_argument("--batch", type=int, default=8)
@@ -168,9 +142,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     res = run(args)
-    print(table(res))
-    path = write_results(Path(args.out) if args.out else results_path("visit_step"), res)
-    print(f"results: {path.name}")
+    publish(res, table(res), args.out, "visit_step")
     return res
 
 

@@ -33,12 +33,11 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.harness import headline_table, load_average, results_path, show, spread, write_results
+from bench.harness import headline_table, interleaved, load_average, publish, show, spread
 from preinfer.plan.costmodel import writer_key
 from storage import fs
 from storage.cache import CacheWriter
@@ -67,18 +66,19 @@ def synthetic(rows: int, seq: int, hidden: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(rows, seq, hidden, generator=g) * scale).to(torch.bfloat16)
 
 
-def samples(n: int, seq: int) -> dict:
+def new_cache(root, fp: str, n: int, seq: int, hidden: int, cfg: CacheConfig, **kw) -> CacheWriter:
+    """A new cache of n rows of (seq, hidden) values, token ids all 0 (no model behind it)."""
     ids = np.zeros((n, seq), np.int32)
-    return {"sample_id": np.arange(n, dtype=np.int64), "input_ids": ids, "labels": ids}
+    return CacheWriter.create(root, fp, seq_len=seq, hidden_size=hidden, cache_cfg=cfg,
+                              samples={"sample_id": np.arange(n), "input_ids": ids, "labels": ids},
+                              meta={"bench": True}, **kw)  # fmt: skip
 
 
 def write_once(root: str, hidden: torch.Tensor, codec: dict, shard_mb: float, mb: int) -> dict:
     """One cache of `hidden` written through the writer path; wall and CPU seconds."""
-    n, seq, hid = hidden.shape
     fp = f"bench-{uuid.uuid4().hex[:12]}"
     cfg = CacheConfig(dtype="bf16", shard_mb=shard_mb, **codec)
-    w = CacheWriter.create(root, fp, samples=samples(n, seq), seq_len=seq, hidden_size=hid,
-                           cache_cfg=cfg, meta={}, free_bytes=1 << 50)  # fmt: skip
+    w = new_cache(root, fp, *hidden.shape, cfg, free_bytes=1 << 50)
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(w.num_shards):
         a, b = w.shard_range(i)
@@ -131,15 +131,17 @@ def run(args) -> dict:
         fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
                                    region="us-east-1"))  # fmt: skip
         roots["s3"] = f"s3://bench/{uuid.uuid4().hex[:8]}"
-    arms = [(t, c, n) for t in roots for c in args.codecs for n in args.threads]
-    raw: dict = {a: [] for a in arms}
+
+    def arm(t: str, c: str, n: int):
+        def write() -> dict:
+            set_codec_threads(n)
+            return write_once(roots[t], hidden, CODECS[c], args.shard_mb, args.micro_batch)
+
+        return write
+
     try:
-        for r in range(args.repeats + 1):  # round 0 warms (imports, pools, connections)
-            for t, c, n in arms if r % 2 == 0 else arms[::-1]:
-                set_codec_threads(n)
-                out = write_once(roots[t], hidden, CODECS[c], args.shard_mb, args.micro_batch)
-                if r:
-                    raw[(t, c, n)].append(out)
+        arms = {(t, c, n): arm(t, c, n) for t in roots for c in args.codecs for n in args.threads}
+        raw = interleaved(arms, args.repeats)  # after a warm-up: imports, pools, connections
     finally:
         if server is not None:
             server.kill()
@@ -193,9 +195,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.mb, args.repeats = min(args.mb, 64), min(args.repeats, 2)
     res = run(args)
-    print(table(res))
-    path = write_results(Path(args.out) if args.out else results_path("writer"), res)
-    print(f"results: {path.name}")
+    publish(res, table(res), args.out, "writer")
     return res
 
 

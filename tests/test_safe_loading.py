@@ -1,6 +1,6 @@
 """Safe loading audit: nothing on a load path can run code, and no name escapes its root.
 
-1. A scan of the source tree (preinfer/, pipelines/, storage/, bench/): no pickle-family
+1. A scan of the source tree (preinfer/, pipelines/, storage/, bench/, tools/): no pickle-family
    module, no `torch.load` without `weights_only=True`, no `np.load(..., allow_pickle=True)`,
    no `yaml.load` without a SafeLoader, no `eval`/`exec`, no `trust_remote_code=True`.
 2. Names that reach a path (cache fingerprints on the CLI, block files named by a checkpoint
@@ -26,7 +26,7 @@ from preinfer.model.modeling import build_model, resolve_checkpoint_path
 from storage.layout import check_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = ("preinfer", "pipelines", "storage", "bench")
+SOURCES = ("preinfer", "pipelines", "storage", "bench", "tools")
 BANNED_MODULES = {
     "pickle",
     "_pickle",

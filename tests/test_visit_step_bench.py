@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from bench import visit_step
-from bench.peers_arms import build_tiny_model, stdlib_pairs
+from bench.peers_arms import build_tiny_model, instruction_pairs
 
 pytest.importorskip("badam", reason="the badam arm needs the `real` extra")
 
 
 @pytest.mark.parametrize("block", [0, 1])
 def test_preinfer_and_badam_step_the_same_model(tmp_path, block):
-    model = build_tiny_model(tmp_path / "tiny", stdlib_pairs(40))
+    model = build_tiny_model(tmp_path / "tiny", instruction_pairs("stdlib", 40))
     out = tmp_path / "res.json"
     threads = torch.get_num_threads()
     try:

