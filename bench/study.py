@@ -270,12 +270,19 @@ def main(argv: list[str] | None = None) -> dict:
                     help="run the arms in this process (peak memory then not each arm's own)")  # fmt: skip
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
+    ap.add_argument("--val-batches", type=int, default=None,
+                    help="a curve point reads the first N x batch val rows; 0 = the whole val "
+                         "split (default: the preset's)")  # fmt: skip
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     preset = "quick" if a.quick else "small" if a.small else "tiny" if a.tiny else "default"
     base, layouts, Ms = PRESETS[preset]
     sc = copy.deepcopy(base)
     sc.seeds, sc.lrs = a.seeds or sc.seeds, a.lrs or sc.lrs
+    if a.val_batches is not None:
+        if a.val_batches < 0:
+            ap.error(f"--val-batches must be >= 0 (0 = the whole val split), got {a.val_batches}")
+        sc.val_batches = a.val_batches
     layouts, Ms = a.layouts or layouts, a.M or Ms
     try:
         arms = [BASE_ARMS[n] for n in (a.arms if a.arms is not None else BASE_ARMS)]
