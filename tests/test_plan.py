@@ -468,8 +468,24 @@ def test_planner_prices_bcd_with_our_measured_multipliers():
     assert "paper" in step_multipliers("gpt2", False, 5, False)[2]
 
 
+def test_the_reported_memory_accuracy_is_what_its_results_files_hold():
+    """plan.MEMORY_ACCURACY's ranges are the lowest and highest estimate / measured - 1 of its
+    files' rows of that kind, none of them on llama-small (the configs fitted on)."""
+    import json
+    from pathlib import Path
+
+    from preinfer.plan.report import MEMORY_ACCURACY
+
+    root = Path(__file__).resolve().parents[1] / "bench" / "results"
+    for kind, (lo, hi, name) in MEMORY_ACCURACY.items():
+        rows = [r for r in json.loads((root / name).read_text()) if r["arm"].startswith(kind)]
+        assert rows and all(r["config"] != "llama-small" for r in rows), name
+        errs = [r["estimate"] / r["measured"] - 1 for r in rows]
+        assert (round(min(errs), 3), round(max(errs), 3)) == (lo, hi), (kind, errs)
+
+
 def test_plan_report_names_where_its_multipliers_come_from(tmp_path):
-    from preinfer.plan.report import PlanOptions, build_plan
+    from preinfer.plan.report import PlanOptions, build_plan, format_plan
     from preinfer.run.config import load_config
 
     cfg = load_config("configs/demo.yaml", [f"run.dir={tmp_path}/run", "partition.num_blocks=3"])
@@ -478,3 +494,7 @@ def test_plan_report_names_where_its_multipliers_come_from(tmp_path):
     assert "measured" in c["bcd_average"]["multiplier_source"]
     c = build_plan(cfg, PlanOptions(samples=1000, bf_average=2.0))["cost"]
     assert c["bcd_average"]["multiplier"] == 2.0 and c["bcd_worst"]["multiplier"] == 1.76
+    text = format_plan(build_plan(cfg, PlanOptions(samples=1000, card="cpu")))
+    assert (
+        "out of sample (demo, gpt2-small): trainer -11% to +11%, pre-inference +9% to +33%" in text
+    )

@@ -49,6 +49,13 @@ MEASURED_BF = {
     ("gpt2", True, 3): (3.0, 3.0, "study-small-20261202-gpt2-tied-visit-steps-48.json"),
 }
 PAPER_BF = (1.39, 2.89)
+# The memory estimates against the peaks bench.plan_accuracy measured on CPU, out of sample (the
+# demo and gpt2-small configs; the constants were fitted on llama-small; docs/planner.md):
+# kind -> (lowest, highest estimate / measured - 1, results file)
+MEMORY_ACCURACY = {
+    "trainer": (-0.110, 0.106, "plan_accuracy-20261202.json"),
+    "pre-inference": (0.090, 0.331, "plan_accuracy-preinfer-20261203.json"),
+}
 
 
 def step_multipliers(arch: str, tied: bool, M: int, finetune: bool) -> tuple[float, float, str]:
@@ -406,6 +413,9 @@ def format_plan(plan: dict) -> str:
         out.append(f"  {name:22s} cards {r.get('cards') or '-'}  hours "
                    f"{'-' if h is None else f'{h:,.1f}'}  cost {_usd(cost)}{extra}")  # fmt: skip
     out.append(f"  bcd step multipliers: {c['bcd_average'].get('multiplier_source')}")
+    acc = ", ".join(f"{k} {lo:+.0%} to {hi:+.0%}" for k, (lo, hi, _) in MEMORY_ACCURACY.items())
+    out.append(f"  memory estimates against measured CPU peaks, out of sample (demo, gpt2-small): "
+               f"{acc} (docs/planner.md)")  # fmt: skip
     use = c["cache_use"]
     if use["visit_rows"]:
         by = list((use["cached_by_boundary"] or {}).values()) or [use["cached_per_boundary"]]
