@@ -246,6 +246,26 @@ def write_dir(
         fsync_path(p.parent)
 
 
+def replace_dir(tmp: str | Path, out: str | Path) -> None:
+    """Rename the finished directory `tmp` onto `out`. An existing `out` is moved aside first
+    (`.<name>.old-<id>` beside it) and deleted once the rename is done; if the rename fails it
+    is put back, so `out` is either the old directory or the new one, never neither. The
+    caller decides whether an existing `out` may be replaced. Local paths only."""
+    tmp, out = Path(tmp), Path(out)
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 _io_pool: tuple[int, ThreadPoolExecutor] | None = None
 
 

@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import fs
-from storage.atomic import checksum, checksum_entry, entry_algo
+from storage.atomic import checksum, checksum_entry, entry_algo, replace_dir
 
 # 2: shard entries {"bytes", "checksum": {"algo", "value"}} (1: {"sha256"}); optional labels
 TOKENS_FORMAT_VERSION = 2
@@ -207,7 +207,6 @@ class TokenStoreWriter:
         (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if fs.is_url(self.out_dir):
             return self._commit_remote(replace)
-        old = None
         with _dir_lock(self.out_dir.parent):  # one commit at a time beside this store
             now = manifest_bytes(self.out_dir)
             if now != self.over:
@@ -225,12 +224,7 @@ class TokenStoreWriter:
                     "); this tokenize wrote nothing: pass --force to replace it, or set "
                     "data.out_dir elsewhere"
                 )
-            if self.out_dir.exists():
-                old = self.out_dir.with_name(f"{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-                os.replace(self.out_dir, old)
-            os.replace(self.tmp, self.out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            replace_dir(self.tmp, self.out_dir)  # the old store is put back if this fails
         return TokenStore(self.out_dir)
 
     def _commit_remote(self, replace: bool) -> TokenStore:

@@ -148,3 +148,22 @@ def test_a_writer_killed_before_the_rename_leaves_the_old_file(tmp_path):
     assert atomic.is_partial(tmp) and tmp.read_bytes() == b"new"
     assert [q for q, _ in atomic.clean_partials(tmp_path)] == [tmp]
     assert _names(tmp_path) == ["f"]
+
+
+def test_replace_dir_swaps_a_directory_and_puts_the_old_back_when_the_rename_fails(tmp_path):
+    out, new = tmp_path / "out", tmp_path / "new"
+    out.mkdir()
+    (out / "a").write_text("old")
+    new.mkdir()
+    (new / "a").write_text("new")
+    atomic.replace_dir(new, out)
+    assert (out / "a").read_text() == "new" and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old one deleted
+    with pytest.raises(FileNotFoundError):  # nothing to rename: the old directory stays
+        atomic.replace_dir(tmp_path / "missing", out)
+    assert (out / "a").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    atomic.replace_dir(empty, out)
+    assert list(out.iterdir()) == []  # onto an existing directory: replaced, not merged

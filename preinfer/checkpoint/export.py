@@ -40,6 +40,7 @@ from preinfer.checkpoint.store import Checkpoint
 from preinfer.data.tokenization import SPECIAL_EOS, load_tokenizer
 from preinfer.model.modeling import quiet_transformers
 from storage import fs
+from storage.atomic import replace_dir
 
 # Special tokens looked up by name in the tokenizer's vocabulary (first present wins).
 _EOS = tuple(t for t in SPECIAL_EOS if t != "[SEP]") + ("<|end_of_text|>",)
@@ -234,21 +235,11 @@ def _user_modes(root: Path) -> None:
 
 
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
-    """Rename the finished `tmp` to `out`; an existing `out` (empty, or any with force) is moved
-    aside first and deleted after, and put back if the rename fails."""
-    old = None
+    """Rename the finished `tmp` to `out`; an existing `out` (empty, or any with force) is
+    replaced (storage.atomic.replace_dir: put back if the rename fails)."""
     if out.exists():
         check_out_dir(out, force)  # it may have filled up while we wrote
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, out)
 
 
 def export_hf(ckpt: Checkpoint, tokenizer_path: str | Path, out: str | Path, *,
