@@ -95,6 +95,9 @@ def targets(runs: dict[str, dict]) -> dict:
     if "full" in runs:
         full = runs["full"]
         out["bcd_loss_at_full_time"] = loss_at(bcd["curve"], full["seconds"]) / full["final_loss"]
+        # #41's multi-epoch target: each arm at its best evaluation (full overfits by the end)
+        best = lambda run: min(p["loss"] for p in run["curve"])  # noqa: E731
+        out["bcd_best_over_full_best"] = best(bcd) / best(full)
     if "bcd-recompute" in runs:
         out["bcd_over_recompute_seconds"] = bcd["seconds"] / runs["bcd-recompute"]["seconds"]
     return out
@@ -107,6 +110,8 @@ TARGETS = [  # key, what, target, met when
      "badam-blocks'", "<= 0.8", lambda v: v <= 0.8),
     ("bcd_loss_at_full_time", "bcd val loss at full's wall-clock / full's final (stretch)",
      "<= 1.0", lambda v: v <= 1.0),
+    ("bcd_best_over_full_best", "bcd's best val loss / full's best (#41, a multi-epoch run)",
+     "<= 1.01", lambda v: v <= 1.01),
     ("bcd_loss_at_lora_time", "bcd val loss at LoRA's wall-clock / LoRA's final (#41)",
      "<= 1.0", lambda v: v <= 1.0),
     ("bcd_peak_over_lora", "bcd peak RSS / LoRA's (#41)", "<= 1.0", lambda v: v <= 1.0),

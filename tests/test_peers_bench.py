@@ -155,3 +155,6 @@ def test_arms_two_at_a_time_in_processes_of_their_own(tmp_path):
         assert r["own_process"] and r["final_loss"] < r["curve"][0]["loss"], r["arm"]
         assert (tmp_path / "w" / "runs" / f"{r['arm']}-lr{r['lr']:g}-s0.json").is_file()
     assert "bcd_loss_at_full_time" in res["targets"]
+    bcd, full = res["runs"][0], res["runs"][1]
+    best = min(p["loss"] for p in bcd["curve"]) / min(p["loss"] for p in full["curve"])
+    assert res["targets"]["bcd_best_over_full_best"]["median"] == pytest.approx(best)
