@@ -35,11 +35,15 @@ def test_the_readme_results_agree_with_their_files(capsys):
 def test_a_wrong_figure_fails_naming_its_row():
     first = check_results.rows(README)[0]
     figure = check_results.NUM.findall(first["result"].replace("*", ""))[0]
-    wrong = README.replace(f"| **{figure}** |", "| **1.3579** |", 1)  # still meets its target
+    op, _ = check_results.TARGET.search(first["target"]).groups()
+    # 1.2% off, on the side that keeps the row's met / missed as it reads
+    up = (op in ("<=", "≤", "<")) != (first["status"] == "met")
+    bad = f"{float(figure) * (1.0123 if up else 0.9877):.4f}"
+    wrong = README.replace(f"| **{figure}** |", f"| **{bad}** |", 1)
     assert wrong != README
     problems = check_results.check(wrong)
     assert len(problems) == 1, problems
-    assert problems[0].startswith("row 1 (") and "1.3579 is in none of" in problems[0]
+    assert problems[0].startswith("row 1 (") and f"{bad} is in none of" in problems[0]
 
 
 def test_a_missing_results_file_fails_naming_its_row(tmp_path):
