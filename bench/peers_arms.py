@@ -49,7 +49,7 @@ DATASETS = ("stdlib", "sitepkgs")
 ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
 BCD_ARMS = ("bcd", "bcd-recompute")
 WEIGHT_DECAY, GRAD_CLIP, BETAS = 1e-5, 1.0, (0.9, 0.999)  # preinfer's AdamW defaults, every arm
-# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.trainer.build_optimizer)
+# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.train.step.build_optimizer)
 ADAMW = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "fused": True}
 LORA_R, LORA_ALPHA = 16, 32
 
