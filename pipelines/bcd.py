@@ -62,6 +62,7 @@ from preinfer.run.state import (
     state_path,
 )
 from preinfer.run.visit import TrainingDiverged, VisitHooks, finish_committed
+from preinfer.runtime import hostmem
 from preinfer.runtime.metrics import append_metrics, last_visit_summary
 from preinfer.schedule.cache_identity import BoundaryPlan, Sources
 from preinfer.schedule.rotation import round_orders, store_budget
@@ -277,6 +278,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             save_run_state(cfg.run.dir, state)
             summary = run_train(cfg, k, r, mode=mode, log=log, memory_check=False, plan=plan,
                                 hooks=hooks)  # fmt: skip
+        hostmem.trim()  # the visit's model, optimizer and activations are freed
         summary = {**summary, "cache": action}
         state["visits"][key] = summary
         state["pending"] = None

@@ -97,3 +97,47 @@ def test_a_tied_head_keeps_its_matrix_in_block_0(tiny_run):
     run_train(cfg, 1, 0, log=quiet)
     assert changed(last, state(cfg, 2)) == head
     assert changed(first, state(cfg, 0)) == set()
+
+
+def test_other_visits_leave_the_saved_states_of_their_suffix_blocks_unread_in_their_files(
+    llama_run,
+):
+    """Two rounds with the head in every visit and suffix adapters: a visit commits blocks
+    K+1..M-1 (their adapters merged) without reading or rewriting their own optimizer states
+    (same file, same hash); the head's state goes to block M-1's "optim_alongside" file, which
+    overlays the own state when read and is folded into it (and its file deleted) by block
+    M-1's own visit."""
+    from preinfer.checkpoint.format import ALONGSIDE
+
+    cfg = llama_run("train.always_train=[head]", "train.suffix_rank=2", "train.rounds=2")
+    head = set(head_names(cfg))
+    seen = {}
+
+    def on_visit(r, k, summary):
+        ck = Checkpoint.open(cfg.run.checkpoint)
+        steps = {
+            k.rpartition(SEP)[0]: float(t)
+            for k, t in (ck.optimizer_state(2) or ("", {}))[1].items()
+            if k.endswith(f"{SEP}step")
+        }
+        files = {p.name for p in ck.path.glob("optim_*")}
+        seen[(r, k)] = ([dict(b) for b in ck.index["blocks"]], steps, files)
+
+    run_bcd(cfg, log=quiet, on_visit=on_visit)
+    blocks, steps, _ = seen[(0, 0)]
+    assert "optim" not in blocks[2] and set(steps) == head and set(steps.values()) == {2}
+    blocks, steps, files = seen[(0, 2)]
+    assert ALONGSIDE not in blocks[2] and set(steps) > head
+    assert {steps[n] for n in head} == {6} and {s for n, s in steps.items() if n not in head} == {2}
+    assert files == {b["optim"]["file"] for b in blocks}  # the alongside files are gone
+    own = {b: seen[(0, b)][0][b]["optim"] for b in (1, 2)}
+    for r, k, head_steps in ((1, 0, 8), (1, 1, 10)):
+        blocks, steps, files = seen[(r, k)]
+        assert blocks[2]["optim"] == own[2], (r, k)  # not read, not rewritten
+        assert blocks[2][ALONGSIDE]["file"] in files
+        assert {steps[n] for n in head} == {head_steps}
+    assert seen[(1, 0)][0][1]["optim"] == own[1]  # block 1: a suffix block of block 0's visit
+    blocks, steps, _ = seen[(1, 2)]
+    assert ALONGSIDE not in blocks[2] and {steps[n] for n in head} == {12}
+    assert {s for n, s in steps.items() if n not in head} == {4}
+    Checkpoint.open(cfg.run.checkpoint).verify()

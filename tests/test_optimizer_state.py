@@ -152,3 +152,33 @@ def test_state_that_does_not_fit_is_refused(tiny_run):
     visit(tiny_run(*SHORT, OFF), 1, 1).optimizer()  # with the switch off nothing is read
     with pytest.raises(CheckpointError, match="exactly those blocks"):
         ck.commit_blocks({1: weights}, optim={2: saved}, optimizer="adamw")
+
+
+def test_a_read_state_is_its_own_memory_and_a_partial_read_still_checks_the_whole_file(tiny_run):
+    """A tensor safe_open maps is a view of the file: kept as an optimizer's moment, its first
+    step copies on write the pages the hash read (twice the state in RSS), and one kept view
+    keeps the whole file mapped. So every tensor read is a copy (the file changing under it
+    leaves it as read); a read of some parameters holds only theirs and still refuses a file
+    damaged elsewhere."""
+    import struct
+
+    cfg = tiny_run(*SHORT, KEEP)
+    visit(cfg, 1, 0).run(log=quiet)
+    ck = ckpt(cfg)
+    _, saved = ck.optimizer_state(1)
+    names = sorted({k.rpartition("::")[0] for k in saved})
+    _, part = ck.optimizer_state(1, {names[0]})
+    assert set(part) == {k for k in saved if k.rpartition("::")[0] == names[0]}
+    assert all(torch.equal(part[k], saved[k]) for k in part)
+    before = {k: t.clone() for k, t in saved.items()}
+    path = ck.path / ck.index["blocks"][1]["optim"]["file"]
+    with open(path, "r+b") as f:  # every tensor's bytes zeroed in place, the header kept
+        start = 8 + struct.unpack("<Q", f.read(8))[0]
+        f.seek(0, 2)
+        end = f.tell()
+        f.seek(start)
+        f.write(bytes(end - start))
+    assert all(torch.equal(saved[k], before[k]) for k in saved)
+    assert all(torch.equal(part[k], before[k]) for k in part)
+    with pytest.raises(CheckpointError, match="does not match the hash"):
+        ckpt(cfg).optimizer_state(1, {names[0]})

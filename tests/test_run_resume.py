@@ -195,7 +195,10 @@ def test_the_bf16_path_killed_mid_visit_resumes_to_an_uninterrupted_runs_bytes(t
     assert bcd(runs["killed"], {"PREINFER_TEST_KILL_AT": "0:1:3"}) == 137
     assert json.loads((runs["killed"] / "state.json").read_text())["pending"]["key"] == "r0-b1"
     assert bcd(runs["killed"]) == 0
-    assert_same_weights(runs["clean"] / "checkpoint", runs["killed"] / "checkpoint")
+    # under bf16 autocast the odd first product of a fresh process (docs/failures.md) is a bf16
+    # ulp, 2^-8 relative: seen moving 264 of block 0's 24,992 values (1.06%, trained before the
+    # kill, alike in both runs) past 1e-4 on an AMX Xeon; a step twice or skipped moves ~all
+    assert_same_weights(runs["clean"] / "checkpoint", runs["killed"] / "checkpoint", share=0.05)
     assert hashes(runs["clean"] / "checkpoint") != hashes(tiny_base / "checkpoint")
     visits = [json.loads(x) for x in (runs["killed"] / "metrics.jsonl").read_text().splitlines()]
     assert any(v.get("event") == "visit" and v["block"] == 1 for v in visits)

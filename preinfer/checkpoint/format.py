@@ -36,6 +36,9 @@ from storage import atomic, fs
 FORMAT = "preinfer-checkpoint"
 FORMAT_VERSION = 1
 INDEX = "checkpoint.json"
+# a block entry's key: the optimizer state of its parameters that trained in another block's
+# visit (train.always_train), overlaying the block's own ("optim")
+ALONGSIDE = "optim_alongside"
 LOCK = ".lock"  # flock'ed by a local commit (never read)
 
 
@@ -188,7 +191,9 @@ def _new_name(name: str, old: dict) -> str:
 
 def _files(index: dict) -> set[str]:
     """The block and optimizer files an index names."""
-    optim = {(blk.get("optim") or {}).get("file") for blk in index["blocks"]}
+    optim = {
+        (blk.get(k) or {}).get("file") for blk in index["blocks"] for k in ("optim", ALONGSIDE)
+    }
     return {blk["file"] for blk in index["blocks"]} | (optim - {None})
 
 
@@ -198,7 +203,8 @@ def _files(index: dict) -> set[str]:
 def _check_index(idx: Path, index: object) -> None:
     """Refuse an index (`idx`'s parsed JSON) that is not one this preinfer reads, or that names
     a file other than a plain block_/optim_*.safetensors inside the checkpoint. Optional keys:
-    a block's "optim" (train.keep_optimizer_state), "tokens" (the token store a commit trained
+    a block's "optim" (train.keep_optimizer_state) and "optim_alongside" (the state of its
+    parameters trained in another block's visit: train.always_train), "tokens" (the token store a commit trained
     on, top level and per block; checkpoints committed before it have none)."""
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{idx} is not a preinfer checkpoint index")
@@ -209,7 +215,9 @@ def _check_index(idx: Path, index: object) -> None:
         )
     blocks = index.get("blocks") if isinstance(index.get("blocks"), list) else [None]
     names = [b.get("file") if isinstance(b, dict) else b for b in blocks]
-    optim = [b.get("optim") for b in blocks if isinstance(b, dict) and "optim" in b]
+    optim = [
+        b.get(k) for b in blocks for k in ("optim", ALONGSIDE) if isinstance(b, dict) and k in b
+    ]
     onames = [  # an entry lacking its hash or optimizer is as damaged as a bad name
         o.get("file") if isinstance(o, dict) and isinstance(o.get("hash"), str)
         and isinstance(o.get("optimizer"), str) else repr(o) for o in optim

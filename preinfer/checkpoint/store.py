@@ -32,8 +32,9 @@ atomic file writes) is in preinfer/checkpoint/format.py, creating a checkpoint
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -43,8 +44,9 @@ from torch import nn
 
 from core import faults
 from core.config import from_dict
-from core.fingerprint import chain, tensors_hash
+from core.fingerprint import chain, tensors_hash, update_tensor
 from preinfer.checkpoint.format import (
+    ALONGSIDE,
     INDEX,
     CheckpointError,
     _block_file_name,
@@ -61,6 +63,7 @@ from preinfer.checkpoint.format import (
     _write_json_atomic,
     _writer_lock,
 )
+from preinfer.checkpoint.optim_state import SEP
 from preinfer.model.adapters import Adapter, get_adapter
 from preinfer.model.modeling import ModelConfig, build_model, materialise
 from preinfer.model.partition import (
@@ -85,6 +88,44 @@ def _read_file(path: Path, names: list[str] | None = None) -> tuple[set[str], di
         have = set(f.keys())
         names = list(f.keys()) if names is None else names
         return have, {n: f.get_tensor(n) for n in names if n in have}
+
+
+def _read_hashed(path: Path, keep: Callable[[str], bool] | None = None) -> tuple[str, dict]:
+    """(tensors_hash of every tensor in the safetensors file at `path`, those tensors whose
+    name `keep` accepts, all when None), each its own copy: a tensor safe_open maps is a view
+    of the file, and an optimizer's first step would copy-on-write its pages beside the file
+    pages the hash read (twice the state in RSS), and one kept view keeps the whole file
+    mapped. Raises FileNotFoundError, SafetensorError."""
+    h, out = hashlib.sha256(), {}
+    if fs.is_url(path):
+        tensors = load_safetensors(path.read_bytes())
+        for n in sorted(tensors):
+            update_tensor(h, n, tensors[n])
+        return h.hexdigest(), {n: t for n, t in tensors.items() if keep is None or keep(n)}
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for n in sorted(f.keys()):
+            t = f.get_tensor(n)
+            update_tensor(h, n, t)
+            if keep is None or keep(n):
+                out[n] = t.clone()
+    return h.hexdigest(), out
+
+
+def _optim_entry(b: int, entry: dict, key: str, state: dict, optimizer: str) -> list[tuple]:
+    """Set entry[key] ("optim" or ALONGSIDE) to `state`'s file; the write it needs, if any."""
+    ostate = _cpu_state(state, sorted(state), f"optimizer state of block {b}")
+    digest, old = tensors_hash(ostate), entry.get(key) or {}
+    name, writes = old.get("file"), []
+    if digest != old.get("hash"):
+        others = [entry.get(k) or {} for k in ("optim", ALONGSIDE)]
+        name = _optim_file_name(b, digest)
+        for o in others:
+            _new_name(name, o)
+        writes.append((name, ostate, digest))
+    entry[key] = {"file": name, "hash": digest, "optimizer": optimizer}
+    return writes
 
 
 class Checkpoint:
@@ -283,19 +324,32 @@ class Checkpoint:
         materialise(model, loaded, self.tied, device)
         return model.eval(), adapter
 
-    def optimizer_state(self, b: int) -> tuple[str, dict[str, torch.Tensor]] | None:
+    def optimizer_state(
+        self, b: int, params: Collection[str] | None = None
+    ) -> tuple[str, dict[str, torch.Tensor]] | None:
         """Block b's kept optimizer state, hash-checked: (optimizer, {'<param>::<key>': tensor}),
-        or None when its last commit kept none (train.keep_optimizer_state off)."""
-        entry = self.index["blocks"][self._check_block(b)].get("optim")
-        if entry is None:
+        or None when its last commit kept none (train.keep_optimizer_state off): its own
+        visit's, overlaid by the state of the parameters trained alongside a later visit of
+        another block ("optim_alongside": train.always_train's head). params: only those
+        parameters' entries are held (every file is still hashed)."""
+        blk = self.index["blocks"][self._check_block(b)]
+        entries = [blk[k] for k in ("optim", ALONGSIDE) if blk.get(k)]
+        if not entries:
             return None
+        keep = None if params is None else (lambda k: k.rpartition(SEP)[0] in params)
+        tensors: dict[str, torch.Tensor] = {}
+        for entry in entries:
+            tensors.update(self._read_optim(b, entry, keep))
+        return entries[-1]["optimizer"], tensors
+
+    def _read_optim(self, b: int, entry: dict, keep) -> dict[str, torch.Tensor]:
         path = self.path / entry["file"]
         fix = (
             "restore it, or set train.keep_optimizer_state=false to train the block with a fresh "
             "optimizer (its next commit drops the saved state)"
         )
         try:
-            _, tensors = _read_file(path)
+            digest, tensors = _read_hashed(path, keep)
         except FileNotFoundError:
             raise CheckpointError(
                 f"block {b}'s optimizer state file {path.name} is missing from {self.path}; {fix}"
@@ -304,12 +358,12 @@ class Checkpoint:
             raise CheckpointError(
                 f"block {b}'s optimizer state file {path.name} is unreadable ({e}); {fix}"
             ) from None
-        if tensors_hash(tensors) != entry["hash"]:
+        if digest != entry["hash"]:
             raise CheckpointError(
                 f"block {b}'s optimizer state file {path.name} does not match the hash in {INDEX}: "
                 f"it was modified or replaced; {fix}"
             )
-        return entry["optimizer"], tensors
+        return tensors
 
     def check_files(self, blocks: Iterable[int]) -> None:
         """The cheap check beside `verify`: refuse (CheckpointError) when a block file the
@@ -363,22 +417,41 @@ class Checkpoint:
         blocks: dict[int, dict[str, torch.Tensor]],
         *,
         optim: dict[int, dict[str, torch.Tensor]] | None = None,
+        keep_optim: Iterable[int] = (),
+        alongside: dict[int, dict[str, torch.Tensor]] | None = None,
         optimizer: str | None = None,
         tokens: dict | None = None,
     ) -> dict[int, str]:
         """Make `blocks` ({b: tensors}) those blocks' new weights in ONE commit; returns their
         hashes. optim: each block's optimizer state ({'<param>::<key>': tensor}, made by
         `optimizer`) kept beside it; without it a committed block's saved state is dropped
-        (it belonged to the old weights). tokens: the token store they were trained on (a
-        token_record; checkpoint_format._record_tokens). Every new file is written aside, then
+        (it belonged to the old weights). keep_optim: blocks (with optim, the rest of `blocks`)
+        whose own saved state stays in its file, unread: another block's visit changed their
+        weights but not their optimizer (a saved state of another optimizer is dropped).
+        alongside: of those, the state of parameters that trained in this visit (the head
+        under train.always_train), in a file of its own that overlays the block's own state
+        when read. tokens: the token store they were trained on (atoken_record; checkpoint_format._record_tokens). Every new file is written aside, then
         checkpoint.json is replaced once (the commit point), then the files it no longer names
         are deleted."""
         if not blocks:
             raise CheckpointError("commit_blocks needs at least one block")
-        if optim is not None and (set(optim) != set(blocks) or not optimizer):
+        keep, alongside = set(keep_optim), alongside or {}
+        if optim is not None and (
+            set(optim) | keep != set(blocks)
+            or set(optim) & keep
+            or not optimizer
+            or not set(alongside) <= keep
+        ):
             raise CheckpointError(
                 f"commit of blocks {sorted(blocks)}: optimizer state must come for exactly those "
-                f"blocks (got {sorted(optim)}) and name its optimizer (got {optimizer!r})"
+                f"blocks, given (got {sorted(optim)}) or kept (got {sorted(keep)}; alongside "
+                f"{sorted(alongside)} only of those kept), and name its optimizer (got "
+                f"{optimizer!r})"
+            )
+        if optim is None and (keep or alongside):
+            raise CheckpointError(
+                f"commit of blocks {sorted(blocks)}: keep_optim {sorted(keep)} and alongside "
+                f"{sorted(alongside)} need optim (the state of the blocks that trained)"
             )
         new = json.loads(json.dumps(self.index))
         writes = []  # (file name, tensors, hash), in commit order
@@ -391,16 +464,18 @@ class Checkpoint:
                 for owner in new["tied_hashes"]:
                     if owner in state:
                         new["tied_hashes"][owner] = tensors_hash({owner: state[owner]})
-            if optim is None:
-                entry.pop("optim", None)  # the old state belonged to the old weights
-            else:
-                ostate = _cpu_state(optim[b], sorted(optim[b]), f"optimizer state of block {b}")
-                odigest, old = tensors_hash(ostate), entry.get("optim") or {}
-                name = old.get("file")
-                if odigest != old.get("hash"):
-                    name = _new_name(_optim_file_name(b, odigest), old)
-                    writes.append((name, ostate, odigest))
-                entry["optim"] = {"file": name, "hash": odigest, "optimizer": optimizer}
+            if optim is None:  # the old state belonged to the old weights
+                entry.pop("optim", None)
+                entry.pop(ALONGSIDE, None)
+            elif b in keep:
+                for key in ("optim", ALONGSIDE):
+                    if (entry.get(key) or {}).get("optimizer") not in (None, optimizer):
+                        entry.pop(key)
+                if b in alongside:
+                    writes += _optim_entry(b, entry, ALONGSIDE, alongside[b], optimizer)
+            else:  # the block's own visit: its state is the newest of all its parameters
+                writes += _optim_entry(b, entry, "optim", optim[b], optimizer)
+                entry.pop(ALONGSIDE, None)
         _record_tokens(new, sorted(blocks), tokens)
         hashes = {b: new["blocks"][b]["hash"] for b in blocks}
         if new == self.index:

@@ -41,7 +41,7 @@ from preinfer.schedule.rotation import store_budget
 from preinfer.schedule.visit_plan import VisitPlan, plan_visit
 from preinfer.train.batches import CacheBatches, CacheWindow, TokenBatches, endless
 from preinfer.train.step import build_optimizer, lr_at, train_step
-from preinfer.train.suffix import SuffixAdapters, kept_optimizer_state, resume_mismatch, suffix_spec
+from preinfer.train.suffix import SuffixAdapters, resume_mismatch, suffix_spec
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 
@@ -462,7 +462,9 @@ class Visit:
         opt = build_optimizer(self.params[: self.n_block], self.tc, self.params[self.n_block :])
         if self.tc.keep_optimizer_state:
             for b, named in self.named.items():
-                saved = self.ckpt.optimizer_state(b)
+                # block M-1's state beside another block's visit: only the head's is read
+                head_only = b == self.M - 1 and bool(self.always)
+                saved = self.ckpt.optimizer_state(b, {n for n, _ in named} if head_only else None)
                 if saved is None or not saved[1]:  # none (or kept empty by a suffix commit)
                     continue
                 by, tensors = saved
@@ -492,12 +494,13 @@ class Visit:
             self.suffix.merge()  # W += alpha/r B @ A in W's dtype; the hooks come off
         blocks = self.blocks + sorted(also)
         states = {b: self.ckpt.block_state(self.model, self.adapter, b) for b in blocks}
-        optim = None
+        optim, keep, alongside = None, set(), None
         if self.tc.keep_optimizer_state:
             optim = {b: optimizer_tensors(opt, self.named.get(b, [])) for b in self.blocks}
-            for b in sorted(also):  # {} when it has none: Visit.optimizer reads that as none
-                mine = self.always if b == self.M - 1 else []
-                kept = kept_optimizer_state(self.ckpt, b, self.tc.optimizer, {n for n, _ in mine})
-                optim[b] = {**kept, **optimizer_tensors(opt, mine)}
-        self.ckpt.commit_blocks(states, optim=optim, optimizer=self.tc.optimizer,
+            # the other blocks' own states stay in their files, unread (reading them would
+            # hold all of blocks K+1..M-1's moments at the commit); the head's goes beside
+            keep = also
+            alongside = {self.M - 1: optimizer_tensors(opt, self.always)} if self.always else None
+        self.ckpt.commit_blocks(states, optim=optim, keep_optim=keep, alongside=alongside,
+                                optimizer=self.tc.optimizer,
                                 tokens=token_record(self.store))  # fmt: skip

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from preinfer.checkpoint.optim_state import SEP
 from preinfer.model.adapters import Adapter
 from preinfer.model.partition import Partition
 
@@ -168,17 +167,6 @@ def adapter_linear_dims(arch: str, hidden: int, inter: int, kv_dim: int,
         "bert": ([(H, H), (H, H), (H, H), (H, H)], [(H, F_), (F_, H)]),
     }.get(arch, ([], [(H, F_), (F_, H)]))  # sequential: a residual MLP
     return {"all": attn + mlp, "attn": attn, "mlp": mlp}[modules]
-
-
-def kept_optimizer_state(ckpt, b: int, optimizer: str, skip: set[str] = frozenset()) -> dict:
-    """Block b's saved optimizer state as its own last visit left it, for a commit of b made by
-    another block's visit (its suffix adapters merged, or its head trained alongside): the
-    entries of `optimizer` for its parameters not in `skip`; {} when it has none (or another
-    optimizer's, which belonged to it and is dropped as a commit without state drops it)."""
-    saved = ckpt.optimizer_state(b)
-    if saved is None or saved[0] != optimizer:
-        return {}
-    return {k: t for k, t in saved[1].items() if k.rpartition(SEP)[0] not in skip}
 
 
 def suffix_spec(suffix: SuffixAdapters | None) -> dict:
