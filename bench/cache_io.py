@@ -1,27 +1,28 @@
 """Activation cache I/O benchmark: throughput vs plain files, bytes/value per codec, lossy error.
 
-    python -m bench.cache_io [--hidden a.npy [b.npy ...] | --synthetic]
+    python -m bench.cache_io [--hidden a.npy ... | --synthetic | --states minilm gpt2]
                              [--n 512 --seq 128 --hidden-size 384] [--shard-mb 16 4]
                              [--repeats 5] [--skip-io] [--skip-codecs] [--out results.json]
+    python -m bench.cache_io --skip-io --states gpt2 --samples 8 --docs 20 --seq 16  # states
 
 I/O (bf16, codec none, random values): the cache (CacheWriter.write_shard for every shard +
 finalize: stats, checksums, markers, renames, manifest; create timed apart) against plain
 files of the same bytes, one a shard, with the same fsync; reads: open_cache + read_rows(0, N)
 against np.fromfile + concatenate. Both sides every repeat, in alternating order; ratios of
 the medians of --repeats (>= 5) and of the best times, and of CPU seconds (all threads: the
-extra work, which other jobs on a shared machine disturb far less than wall time). With fsync
-(what a build does) and without (os.fsync a no-op for both sides: page-cache speed).
+extra work, which other jobs on a shared machine disturb far less than wall time). Always with
+fsync, as a build writes (the bench patches nothing of the library).
 
-Codecs: real hidden states (bench/hidden_states.py's MiniLM and random-init GPT-2 states, kept
-under /tmp/preinfer_hidden) through each dtype x codec: bytes per value, ratio vs raw bf16,
-write/read speed, and the error of lossy (and rounding) formats vs the float32 states.
---synthetic uses a smooth stand-in, and every table says so. Notes: docs/cache_io.md.
+Codecs: real hidden states (--states: the pretrained MiniLM-L6 of configs/minilm.yaml and the
+random-init GPT-2 of configs/demo.yaml, entering a middle block, computed once under
+--states-dir) through each dtype x codec: bytes per value, ratio vs raw bf16, write/read
+speed, and the error of lossy (and rounding) formats vs the float32 states. --synthetic uses
+a smooth stand-in, and every table says so. Notes: docs/cache_io.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
@@ -32,12 +33,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import headline_table, quiet, write_results
+from bench.harness import ROOT, headline_table, quiet, write_results
 from bench.writer import new_cache
+from pipelines.init import run_init
+from pipelines.tokenize import run_tokenize
+from preinfer.checkpoint.store import Checkpoint
+from preinfer.model.adapters import forward_blocks
+from preinfer.run.config import load_config
+from storage.atomic import write_file, write_json
 from storage.config import CacheConfig
 from storage.reader import open_cache
 
-DEFAULT = ("bf16", "blosc-zstd", "byte", 3)  # storage/config.py's default
+DEFAULT = (lambda d: (d.dtype, d.codec, d.shuffle, d.level))(CacheConfig())
 GRID = [  # (dtype, codec, shuffle, level)
     *[("bf16", c, "none", 3) for c in ("none", "zstd", "blosc-zstd")],
     *[("bf16", "blosc-zstd", "byte", lv) for lv in (1, 3, 5, 7, 9)],
@@ -48,6 +55,8 @@ GRID = [  # (dtype, codec, shuffle, level)
     ("fp8_e4m3", "blosc-zstd", "bit", 3),
 ]  # fmt: skip
 LOGICAL = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STATES = {"minilm": ("configs/minilm.yaml", "MiniLM-L6 (pretrained)"),  # its own WordPiece
+          "gpt2": ("configs/demo.yaml", "GPT-2 demo (random init)")}  # fmt: skip
 
 
 def synthetic_hidden(n: int, s: int, h: int, seed: int = 0) -> np.ndarray:
@@ -93,18 +102,6 @@ def _fill(w, x):
     return w.finalize()
 
 
-@contextlib.contextmanager
-def _no_fsync(active: bool):
-    """os.fsync as a no-op (for the cache and the plain files alike) while active."""
-    real = os.fsync
-    if active:
-        os.fsync = lambda fd: None
-    try:
-        yield
-    finally:
-        os.fsync = real
-
-
 def _plain_write(d: Path, arrays: list[np.ndarray]) -> None:
     d.mkdir(parents=True)
     for i, a in enumerate(arrays):
@@ -119,7 +116,7 @@ def _plain_read(d: Path, n_files: int, shape) -> np.ndarray:
     return np.concatenate(parts).reshape(shape)
 
 
-def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
+def io_bench(n, seq, hidden, shard_mb, repeats, tmp: Path) -> dict:
     """Cache vs plain files, bf16 codec none, medians of `repeats` interleaved runs."""
     g = torch.Generator().manual_seed(0)
     xb = (torch.randn(n, seq, hidden, generator=g) * 3).to(torch.bfloat16)
@@ -156,13 +153,12 @@ def io_bench(n, seq, hidden, shard_mb, repeats, fsync, tmp: Path) -> dict:
         shutil.rmtree(d)
         return shards
 
-    with _no_fsync(not fsync):
-        shards = [one_round(r) for r in range(repeats)][0]
+    shards = [one_round(r) for r in range(repeats)][0]
     med = {k: statistics.median(v) for k, v in t.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     mb = xb.numel() * 2 / 2**20
     return {
-        "cpu_seconds_median": cpu_med, "fsync": fsync, "shard_mb": shard_mb, "MiB": mb,
+        "cpu_seconds_median": cpu_med, "fsync": True, "shard_mb": shard_mb, "MiB": mb,
         "cpu_write_ratio": cpu_med["cache_write"] / cpu_med["plain_write"],
         "cpu_read_ratio": cpu_med["cache_read"] / cpu_med["plain_read"], "num_shards": shards,
         "seconds_median": med, "MBps": {k: mb / v for k, v in med.items() if k != "create"},
@@ -219,50 +215,75 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
             "bf16_value_entropy": value_entropy(xb), "codecs": rows}  # fmt: skip
 
 
-def default_sources(samples: int) -> list[tuple[str, Path]]:
-    """(name, .npy) of the MiniLM and random-init GPT-2 states (generated once, under /tmp)."""
-    from bench import hidden_states
+def hidden_states(model: str, out: Path, *, samples: int, docs: int, seq_len: int,
+                  boundary: int | None = None) -> Path:  # fmt: skip
+    """The .npy of `model`'s float32 hidden states (N, S, H) entering block `boundary` (default
+    ceil(M / 2)), computed once under `out` by the project's own tokenize and init stages on
+    the built-in corpus (N below `samples` when the corpus is short); a .json beside it."""
+    tag = f"{model}_d{docs}_s{seq_len}_n{samples}_k{'mid' if boundary is None else boundary}"
+    path = Path(out) / f"{tag}.npy"
+    if path.exists():
+        return path
+    over = [f"run.dir={Path(out) / f'run_{model}_d{docs}_s{seq_len}'}",
+            f"data.max_documents={docs}", f"data.seq_len={seq_len}"]  # fmt: skip
+    cfg = load_config(ROOT / STATES[model][0], over)
+    store = run_tokenize(cfg, log=quiet)
+    run_init(cfg, log=quiet)
+    ckpt = Checkpoint.open(cfg.run.checkpoint)
+    m = ckpt.num_blocks
+    k = (m + 1) // 2 if boundary is None else boundary
+    if not 1 <= k < m:
+        raise SystemExit(f"--boundary must be in 1..{m - 1} (the model has {m} blocks)")
+    n = min(samples, store.num_samples("train"))
+    net, adapter = ckpt.load(range(k))
+    ids = torch.from_numpy(store.read("train", 0, n)[:, :seq_len].astype(np.int64))
+    with torch.inference_mode():
+        x = torch.cat([forward_blocks(adapter, ckpt.partition, ids[i : i + 16], 0, k).float()
+                       for i in range(0, n, 16)]).numpy()  # fmt: skip
+    write_file(path, lambda f: np.save(f, x))
+    write_json(path.with_suffix(".json"), {
+        "model": model, "config": STATES[model][0], "arch": cfg.model.arch, "boundary": k,
+        "pretrained": cfg.model.checkpoint is not None, "num_blocks": m, "shape": list(x.shape),
+        "dtype": "float32", "docs": docs, "seq_len": seq_len})  # fmt: skip
+    return path
 
-    names = {"minilm": "MiniLM-L6 (pretrained)", "gpt2": "GPT-2 demo (random init)"}
-    return [(names[m], hidden_states.generate(m, samples=samples, log=quiet)) for m in names]
 
-
-def run(hidden=None, synthetic=False, n=512, seq=128, hidden_size=384, shard_mbs=(16.0, 4.0),
-        repeats=5, workdir=None, io=True, codec_table=True, samples=256) -> dict:  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix="cache_io_", dir=workdir))
+def run(a) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="cache_io_", dir=a.workdir))
     res: dict = {"io": [], "sources": [], "cpus": os.cpu_count(), "load_before": os.getloadavg()}
     try:
-        res["io"] = [io_bench(n, seq, hidden_size, mb, repeats, fsync, tmp)
-                     for mb in (shard_mbs if io else []) for fsync in (True, False)]  # fmt: skip
-        srcs = ([("SYNTHETIC smooth stand-in (not real activations)", None)] if synthetic
-                else [(Path(p).stem, Path(p)) for p in hidden] if hidden
-                else default_sources(samples)) if codec_table else []  # fmt: skip
+        res["io"] = [io_bench(a.n, a.seq, a.hidden_size, mb, a.repeats, tmp)
+                     for mb in a.shard_mb if not a.skip_io]  # fmt: skip
+        if a.skip_codecs:
+            srcs = []
+        elif a.synthetic:
+            srcs = [("SYNTHETIC smooth stand-in (not real activations)", None)]
+        elif a.hidden:
+            srcs = [(Path(p).stem, Path(p)) for p in a.hidden]
+        else:
+            srcs = [(STATES[m][1], hidden_states(m, a.states_dir, samples=a.samples, docs=a.docs,
+                                                 seq_len=a.seq, boundary=a.boundary))
+                    for m in a.states]  # fmt: skip
         for name, path in srcs:
-            x = synthetic_hidden(256, seq, hidden_size) if path is None else np.load(path)
+            x = synthetic_hidden(256, a.seq, a.hidden_size) if path is None else np.load(path)
             res["sources"].append({**codec_bench(name, x.astype(np.float32), 16.0, tmp),
                                    "path": str(path)})  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    res["repeats"], res["load_after"] = repeats, os.getloadavg()
+    res["repeats"], res["load_after"] = a.repeats, os.getloadavg()
     head = {}
     for r in res["io"]:
-        tag = f"{r['shard_mb']:g} MiB shards{'' if r['fsync'] else ', no fsync'}"
-        head[f"read ratio ({tag})"] = r["read_ratio"]
-        head[f"write ratio ({tag}, target >= 0.7)"] = r["write_ratio"]
-    d = CacheConfig()  # the lossless default
+        head[f"read ratio ({r['shard_mb']:g} MiB shards)"] = r["read_ratio"]
+        head[f"write ratio ({r['shard_mb']:g} MiB shards, target >= 0.7)"] = r["write_ratio"]
     for src in res["sources"]:
-        for r in src["codecs"]:
-            if (r["dtype"], r["codec"], r["shuffle"], r["level"]) == (
-                "bf16",
-                d.codec,
-                d.shuffle,
-                d.level,
-            ):
-                head[f"default codec vs raw bf16, {src['name']} (target >= 1.3)"] = r[
-                    "ratio_vs_bf16"
-                ]
+        dflt = next(r["ratio_vs_bf16"] for r in src["codecs"] if _key(r) == DEFAULT)
+        head[f"default codec vs raw bf16, {src['name']} (target >= 1.3)"] = dflt
     res["headline"] = head
     return res
+
+
+def _key(c: dict) -> tuple:
+    return c["dtype"], c["codec"], c["shuffle"], c["level"]
 
 
 def _f(v, fmt=".3g"):
@@ -275,19 +296,18 @@ def markdown(res: dict) -> str:
              f"before, {load('load_after')} after (other work on the machine skews wall-clock "
              "figures).", ""]  # fmt: skip
     if res["io"]:
-        rows = [("shard MiB (shards)", "fsync", "op", "cache MB/s", "plain MB/s", "ratio (median)",
+        rows = [("shard MiB (shards)", "op", "cache MB/s", "plain MB/s", "ratio (median)",
                  "ratio (best)", "CPU cache/plain")]  # fmt: skip
-        for r, op in ((r, op) for r in res["io"] for op in ("write", "read")):
-            rows.append((f"{r['shard_mb']:g} ({r['num_shards']})", "yes" if r["fsync"] else "no", op,
-                         f"{r['MBps'][f'cache_{op}']:.0f}", f"{r['MBps'][f'plain_{op}']:.0f}",
-                         f"**{r[f'{op}_ratio']:.2f}**", f"{r[f'best_{op}_ratio']:.2f}",
-                         f"{r[f'cpu_{op}_ratio']:.2f}"))  # fmt: skip
+        rows += [(f"{r['shard_mb']:g} ({r['num_shards']})", op, f"{r['MBps'][f'cache_{op}']:.0f}",
+                  f"{r['MBps'][f'plain_{op}']:.0f}", f"**{r[f'{op}_ratio']:.2f}**",
+                  f"{r[f'best_{op}_ratio']:.2f}", f"{r[f'cpu_{op}_ratio']:.2f}")
+                 for r in res["io"] for op in ("write", "read")]  # fmt: skip
         ratios = lambda k: ", ".join(f"{r[k]:.2f}" for r in res["io"])  # noqa: E731
         lines += [
             f"I/O: bf16, codec none, {res['io'][0]['MiB']:.0f} MiB of values, {res['repeats']} "
-            "interleaved runs. Ratio = cache throughput / plain-file throughput (target >= 0.7), "
-            "of the median and of the best times; CPU = process CPU seconds of the cache / of "
-            "the plain files.", "", headline_table(rows), "",
+            "interleaved runs, with fsync. Ratio = cache throughput / plain-file throughput "
+            "(target >= 0.7), of the median and of the best times; CPU = process CPU seconds of "
+            "the cache / of the plain files.", "", headline_table(rows), "",
             "write = write_shard for every shard + finalize vs one plain file per shard with the "
             "same fsync; with create (once per cache) the median write ratios are "
             f"{ratios('write_ratio_incl_create')}. read = open_cache + read_rows(0, N) vs "
@@ -298,27 +318,23 @@ def markdown(res: dict) -> str:
         n, s, h = src["shape"]
         rows = [("dtype", "codec", "shuffle", "level", "bytes/value", "vs raw bf16", "write MB/s",
                  "read MB/s", "max abs err", "mean abs err", "rel err")]  # fmt: skip
-        for c in src["codecs"]:
-            e, key = c["error"] or {}, (c["dtype"], c["codec"], c["shuffle"], c["level"])
-            rows.append((*key[:3], f"{c['level'] if c['codec'] != 'none' else '-'}"
-                         f"{' (default)' * (key == DEFAULT)}", f"{c['bytes_per_value']:.3f}",
-                         f"{c['ratio_vs_bf16']:.2f}x", f"{c['write_MBps']:.0f}",
-                         f"{c['read_MBps']:.0f}", *(_f(e.get(k)) for k in
-                         ("max_abs_err", "mean_abs_err", "rel_err"))))  # fmt: skip
+        rows += [(*_key(c)[:3], f"{c['level'] if c['codec'] != 'none' else '-'}"
+                  f"{' (default)' * (_key(c) == DEFAULT)}", f"{c['bytes_per_value']:.3f}",
+                  f"{c['ratio_vs_bf16']:.2f}x", f"{c['write_MBps']:.0f}", f"{c['read_MBps']:.0f}",
+                  *(_f((c["error"] or {}).get(k)) for k in ("max_abs_err", "mean_abs_err", "rel_err")))
+                 for c in src["codecs"]]  # fmt: skip
         lossless = [c for c in src["codecs"] if c["dtype"] == "bf16"]
         best = min(lossless, key=lambda c: c["bytes_per_value"])
-        dflt = next(
-            c for c in lossless if (c["dtype"], c["codec"], c["shuffle"], c["level"]) == DEFAULT
-        )
+        dflt = next(c for c in lossless if _key(c) == DEFAULT)["ratio_vs_bf16"]
         lines += [
             f"Codecs on {src['name']}: N={n} S={s} H={h}, std {src['std']:.3g}, absmax "
             f"{src['absmax']:.3g}; order-0 entropy of bf16: {src['bf16_value_entropy']:.3f} "
             f"bytes/value (16-bit symbols), {src['bf16_byte_entropy']:.3f} (bytes apart).", "",
             headline_table(rows), "",
-            f"Lossless default (bf16 blosc-zstd byte 3): {dflt['ratio_vs_bf16']:.2f}x smaller "
-            f"than raw bf16 (requirement >= 1.3x: {'met' if dflt['ratio_vs_bf16'] >= 1.3 else 'NOT met'}); "
-            f"smallest lossless here: {best['codec']} {best['shuffle']} level "
-            f"{best['level']} at {best['ratio_vs_bf16']:.2f}x; 16-bit entropy bound "
+            f"Lossless default ({' '.join(map(str, DEFAULT))}): {dflt:.2f}x smaller than raw bf16 "
+            f"(requirement >= 1.3x: {'met' if dflt >= 1.3 else 'NOT met'}); smallest lossless "
+            f"here: {best['codec']} {best['shuffle']} level {best['level']} at "
+            f"{best['ratio_vs_bf16']:.2f}x; 16-bit entropy bound "
             f"{2 / src['bf16_value_entropy']:.2f}x.", "",
         ]  # fmt: skip
     if res["sources"]:
@@ -333,7 +349,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", nargs="+", help=".npy files of hidden states [N, S, H]")
     ap.add_argument("--synthetic", action="store_true", help="codec table on a stand-in")
+    ap.add_argument("--states", nargs="+", choices=sorted(STATES), default=list(STATES),
+                    help="the real states of these models (default both)")  # fmt: skip
     ap.add_argument("--samples", type=int, default=256, help="states per model (default data)")
+    ap.add_argument("--docs", type=int, default=40, help="documents the states are computed on")
+    ap.add_argument("--boundary", type=int, help="the states entering this block (default: mid)")
+    ap.add_argument("--states-dir", type=Path, default=Path("/tmp/preinfer_hidden"))
     ap.add_argument("--n", type=int, default=512, help="I/O rows")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--hidden-size", type=int, default=384)
@@ -349,8 +370,7 @@ def main(argv=None) -> dict:
         ap.error("--repeats must be >= 5 (medians)")
     if a.tiny:
         a.synthetic, a.n, a.seq, a.hidden_size, a.shard_mb = True, 16, 8, 32, [0.01]
-    res = run(a.hidden, a.synthetic, a.n, a.seq, a.hidden_size, a.shard_mb, a.repeats, a.workdir,
-              io=not a.skip_io, codec_table=not a.skip_codecs, samples=a.samples)  # fmt: skip
+    res = run(a)
     print(markdown(res))
     if a.out:
         write_results(Path(a.out), res)

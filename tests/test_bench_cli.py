@@ -65,12 +65,14 @@ def test_cache_io_tiny(tmp_path):
     assert res["io"] and res["io"][0]["read_ratio"] > 0 and len(res["sources"][0]["codecs"]) > 10
 
 
-def test_hidden_states_tiny(tmp_path):
-    from bench import hidden_states
+def test_cache_io_on_real_states_tiny(tmp_path):
+    from bench import cache_io
 
-    res = hidden_states.main(["--tiny", "--out", str(tmp_path)])
-    info = Path(res["hidden_states"]["gpt2"]).with_suffix(".json")
-    assert json.loads(info.read_text())["shape"][:2] == [8, 16]
+    res = cache_io.main(["--skip-io", "--states", "gpt2", "--samples", "8", "--docs", "20",
+                         "--seq", "16", "--states-dir", str(tmp_path)])  # fmt: skip
+    (src,) = res["sources"]
+    info = Path(src["path"]).with_suffix(".json")
+    assert json.loads(info.read_text())["shape"][:2] == [8, 16] and src["shape"][:2] == [8, 16]
 
 
 def test_tokenize_scale_tiny(tmp_path):
