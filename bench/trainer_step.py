@@ -1,6 +1,9 @@
 """Trainer step for block K: from the cache vs recomputing the frozen prefix vs full training.
 
     .venv/bin/python -m bench.trainer_step [--config configs/demo.yaml] [--repeats 7]
+    .venv/bin/python -m bench.trainer_step --precision [--config configs/llama-small.yaml]
+        [--seq 128] [--batch B] [--block 1] [--repeats 5] [--steps 3]
+    .venv/bin/python -m bench.trainer_step --quick   # make bench: both, demo-sized, few repeats
 
 For the last block and a middle block of the config's model, in one run on one machine:
 - step time of `bcd` (input batch read from a real boundary-K cache), `bcd-recompute`
@@ -14,6 +17,11 @@ For the last block and a middle block of the config's model, in one run on one m
   the headline), and "cold": over the baseline before the arm's own libraries load (model
   classes, the cache reader's pyarrow/pandas), or torch.cuda.max_memory_allocated on a GPU.
   Both arms of a ratio use the same loss (train.loss_chunk: the fused chunked LM head + loss).
+
+--precision: one block's step (block 0 from token ids, else from a (B, S, H) hidden input as a
+cache gives it) under run.precision=fp32 and =bf16, the same optimizer steps, interleaved after
+a warm-up: median and spread of the per-step seconds, tokens/s, the speed-up, and what
+run.precision=auto resolves to here.
 """
 
 from __future__ import annotations
@@ -27,28 +35,21 @@ from pathlib import Path
 import torch
 
 from bench.arms import BlockStep, PeakMemory, in_child
-from bench.harness import headline_table, interleaved, write_results
+from bench.harness import headline_table, interleaved, load_average, write_results
 from preinfer.checkpoint.init import init_checkpoint
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.adapters import forward_blocks
 from preinfer.model.loss import blocks_loss
+from preinfer.model.modeling import build_model
 from preinfer.run.config import load_config
-from preinfer.runtime.device import resolve_device
+from preinfer.runtime.device import cpu_native_bf16, resolve_device, training_precision
 from preinfer.train.batches import CacheBatches
-
-
-def setup(cfg, work: Path):
-    ckpt_dir = work / "checkpoint"
-    if not (ckpt_dir / "checkpoint.json").exists():
-        init_checkpoint(cfg.model, cfg.partition.num_blocks, ckpt_dir)
-    return Checkpoint.open(ckpt_dir)
+from storage.cache import CacheWriter
+from storage.reader import open_cache
 
 
 def make_cache(cfg, ckpt, block: int, work: Path, n: int):
     """A real boundary-`block` cache of n samples (random ids through the real prefix)."""
-    from storage.cache import CacheWriter
-    from storage.reader import open_cache
-
     fp = f"bench-b{block}-{cfg.cache.dtype}-{n}"
     root = work / "cache"
     if (root / fp / "manifest.json").exists():
@@ -98,8 +99,6 @@ def warm_up_runtime(cfg, ckpt, work: Path) -> None:
     (transformers imports them lazily, ~150 MB of RSS: built here on the meta device) and the
     cache reader's libraries (pyarrow's parquet reader and numpy bridge, which imports pandas,
     ~50 MB: one batch read from a separate 2-sample cache)."""
-    from preinfer.model.modeling import build_model
-
     lin = torch.nn.Linear(64, 64)
     lin(torch.randn(8, 64)).sum().backward()
     build_model(ckpt.model_config, device="meta", hf_config=ckpt.hf_config)
@@ -138,7 +137,9 @@ def run(args) -> dict:
     cfg = load_config(args.config, args.set)
     device = resolve_device(cfg.run.device)
     work = Path(args.work)
-    ckpt = setup(cfg, work)
+    if not (work / "checkpoint" / "checkpoint.json").exists():
+        init_checkpoint(cfg.model, cfg.partition.num_blocks, work / "checkpoint")
+    ckpt = Checkpoint.open(work / "checkpoint")
     M = ckpt.num_blocks
     rows = []
     for block in sorted({M - 1, max(1, M // 2)}):
@@ -188,24 +189,90 @@ def table(res: dict) -> str:
                                    f"loss_chunk {res['loss_chunk']}")  # fmt: skip
 
 
+def precision(a) -> dict:
+    """fp32 against bf16 autocast, one block's optimizer steps (see the module doc)."""
+    cfg = load_config(a.config, a.set)
+    device = resolve_device(cfg.run.device)
+    B, S, K = a.batch or cfg.train.batch_size, a.seq, a.block
+    g = torch.Generator().manual_seed(0)
+    V, H = cfg.model.vocab_size, cfg.model.hidden_size
+    labels = torch.randint(0, V, (B, S), generator=g)
+    x = torch.randint(0, V, (B, S), generator=g) if K == 0 else torch.randn(B, S, H, generator=g)
+    arms = ("fp32", "bf16")
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = init_checkpoint(cfg.model, cfg.partition.num_blocks, f"{tmp}/ckpt")
+        load_start = load_average()
+        step = {p: BlockStep("bcd", cfg, ckpt, K, device) for p in arms}
+        times = interleaved({p: lambda p=p: sum(step[p].step((x, labels), precision=p)
+                                                for _ in range(a.steps)) / a.steps
+                             for p in arms}, a.repeats)  # fmt: skip
+    med = {arm: statistics.median(t) for arm, t in times.items()}
+    auto, why = training_precision(device, "auto")
+    res = {
+        "config": a.config, "sets": a.set, "block": K, "batch": B, "seq": S,
+        "threads": torch.get_num_threads(), "device": str(device),
+        "cpu": cpu_native_bf16()[1] if device.type == "cpu" else None,
+        "auto": auto, "auto_why": why, "repeats": a.repeats, "steps": a.steps,
+        "step_s": times, "median_step_s": med,
+        "spread": {arm: [min(t), max(t)] for arm, t in times.items()},
+        "tokens_per_s": {arm: B * S / m for arm, m in med.items()},
+        "speedup_bf16": med["fp32"] / med["bf16"],
+        # each repeat's pair (run back to back): steadier than the medians' ratio under load
+        "paired_speedups": [f / b for f, b in zip(times["fp32"], times["bf16"], strict=True)],
+        "load_start": load_start, "load_end": load_average(),
+    }  # fmt: skip
+    pairs = sorted(res["paired_speedups"])
+    rows = [("precision", "median s/step", "spread (min..max)", "tokens/s")]
+    rows += [(p, f"{med[p]:.3f}", "{:.3f}..{:.3f}".format(*res["spread"][p]),
+              f"{res['tokens_per_s'][p]:.0f}") for p in arms]  # fmt: skip
+    print(f"block {K} of {a.config} ({', '.join(a.set) or 'as configured'}), batch {B} x S {S}, "
+          f"{res['threads']} threads, {res['device']} {res['cpu'] or ''}\n{headline_table(rows)}\n"
+          f"bf16 speed-up: {res['speedup_bf16']:.2f}x (medians); per interleaved pair: median "
+          f"{statistics.median(pairs):.2f}x, {pairs[0]:.2f}..{pairs[-1]:.2f}\nrun.precision=auto "
+          f"here: {auto} ({why})\nload average: {load_start} -> {res['load_end']}")  # fmt: skip
+    return res
+
+
 def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--config", default=None,
+                    help="default configs/demo.yaml; --precision: configs/llama-small.yaml")  # fmt: skip
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=None, help="default 7; --precision: 5")
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per memory figure")
+    ap.add_argument("--precision", action="store_true",
+                    help="fp32 against bf16 autocast, one block's step, instead")  # fmt: skip
+    ap.add_argument("--seq", type=int, default=128, help="--precision: S")
+    ap.add_argument("--batch", type=int, default=None, help="--precision: default the config's")
+    ap.add_argument("--block", type=int, default=1, help="--precision: the block")
+    ap.add_argument("--steps", type=int, default=3, help="--precision: timed steps per repeat")
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--quick", action="store_true",
+                    help="the demo model: 3 repeats, 1 memory process, then --precision's "
+                         "comparison at S 64, 2 repeats (make bench)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a 2-block demo model, 1 repeat (tests)")
     args = ap.parse_args(argv)
-    if args.tiny:
-        args.set += ["partition.num_blocks=2", "model.num_layers=2", "data.seq_len=32"]
-        args.repeats, args.samples, args.mem_repeats = 1, 16, 1
-    with tempfile.TemporaryDirectory() as tmp:
-        args.work = args.work or tmp
-        res = run(args)
-    print(table(res))
+    if args.precision:
+        args.config = args.config or "configs/llama-small.yaml"
+        args.repeats = args.repeats or 5
+        res = precision(args)
+    else:
+        args.config = args.config or "configs/demo.yaml"
+        args.repeats = args.repeats or 7
+        if args.tiny:
+            args.set += ["partition.num_blocks=2", "model.num_layers=2", "data.seq_len=32"]
+            args.repeats, args.samples, args.mem_repeats = 1, 16, 1
+        if args.quick:
+            args.repeats, args.samples, args.mem_repeats = 3, 64, 1
+        with tempfile.TemporaryDirectory() as tmp:
+            args.work = args.work or tmp
+            res = run(args)
+        print(table(res))
+        if args.quick:
+            args.seq, args.repeats, args.steps = 64, 2, 1
+            res["precision"] = precision(args)
     if args.out:
         write_results(Path(args.out), res)
     return res

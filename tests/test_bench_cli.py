@@ -83,10 +83,11 @@ def test_tokenize_scale_tiny(tmp_path):
     assert b["tokens"] > a["tokens"] > 0 and a["peak_rss_mb"] >= a["base_rss_mb"] > 0
 
 
-def test_train_precision_quick(tmp_path):
-    from bench import train_precision
+def test_trainer_step_precision_quick(tmp_path):
+    from bench import trainer_step
 
-    res = train_precision.main(["--quick", "--out", str(tmp_path / "r.json")])
+    res = trainer_step.main(["--precision", "--config", "configs/demo.yaml", "--seq", "64",
+                             "--repeats", "2", "--steps", "1", "--out", str(tmp_path / "r.json")])  # fmt: skip
     assert set(res["median_step_s"]) == {"fp32", "bf16"} and res["speedup_bf16"] > 0
 
 
