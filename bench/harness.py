@@ -29,11 +29,6 @@ def quiet(*_a, **_k) -> None:
     return None
 
 
-def results_path(name: str) -> Path:
-    """bench/results/<name>-<YYYYmmdd-HHMMSS>.json"""
-    return RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-
-
 def clean(o):
     """o with every non-finite float as a string (JSON has none), keys as strings."""
     if isinstance(o, float) and not math.isfinite(o):
@@ -54,7 +49,8 @@ def write_results(path: Path, res: dict) -> Path:
 def publish(res: dict, text: str, out: str | None, name: str) -> Path:
     """Print a bench's table; write its results to `out` or bench/results/<name>-<time>.json."""
     print(text)
-    path = write_results(Path(out) if out else results_path(name), res)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = write_results(Path(out) if out else RESULTS / f"{name}-{stamp}.json", res)
     print(f"results: {rel(path)}")
     return path
 
@@ -132,16 +128,11 @@ def first_reach(curve: list[dict], target: float, key: str = "ppl") -> dict | No
     return next((p for p in curve if p[key] <= target), None)
 
 
-def improves(ppl: float, best: float, min_rel_delta: float) -> bool:
-    """ppl counts as an improvement on best when it is lower by more than min_rel_delta x best."""
-    return ppl < best * (1.0 - min_rel_delta)
-
-
 def plateau(curve: list[dict], patience: int, min_rel_delta: float = 0.0,
             min_steps: int = 0) -> dict:  # fmt: skip
-    """Where val ppl stops improving. Walks the curve keeping the best point; after `patience`
-    consecutive points that do not improve on it (improves()), the run has plateaued, but not
-    at a point before min_steps (a small LM sits on a unigram plateau early in training).
+    """Where val ppl stops improving: after `patience` consecutive points none lower than the
+    last improvement by more than min_rel_delta x it, the run has plateaued, but not at a point
+    before min_steps (a small LM sits on a unigram plateau early in training).
     Returns {"best": the best point (the lowest ppl seen, even below min_rel_delta steps),
     "plateaued": bool, "stop_index": index of the point where patience ran out, or None}."""
     if patience < 1:
@@ -152,7 +143,7 @@ def plateau(curve: list[dict], patience: int, min_rel_delta: float = 0.0,
     for i, p in enumerate(curve):
         if best is None or p["ppl"] < best["ppl"]:
             best = p
-        if improves(p["ppl"], ref, min_rel_delta):
+        if p["ppl"] < ref * (1.0 - min_rel_delta):
             ref, bad = p["ppl"], 0
         else:
             bad += 1

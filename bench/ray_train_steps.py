@@ -17,6 +17,7 @@ worker's two torch threads lose far more to other load than the driver's do.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import headline_table, load_average, quiet, results_path, write_results
+from bench.harness import headline_table, load_average, publish, quiet
 from pipelines.cache_build import build_cache
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
@@ -48,10 +49,8 @@ def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float, floa
         os.environ.pop("RAY_ADDRESS", None)
     recs = [json.loads(x) for x in metrics.read_text().splitlines()[seen:]]
     t = [r["time"] for r in recs if r.get("event") == "step"]
-    steady = statistics.median(
-        [b - a for a, b in zip(t[2:-1], t[3:], strict=True)] or [float("nan")]
-    )
-    return summary["tokens_per_s"], steady, wall
+    gaps = [b - a for a, b in zip(t[2:-1], t[3:], strict=True)]
+    return summary["tokens_per_s"], statistics.median(gaps or [float("nan")]), wall
 
 
 def main(argv=None) -> dict:
@@ -75,25 +74,24 @@ def main(argv=None) -> dict:
                 "train.epochs=null", "data.max_documents=120", "run.device=cpu"]  # fmt: skip
         cfg = load_config(a.config, over)
         run_tokenize(cfg, log=quiet)
-        ckpt = run_init(cfg, log=quiet)
-        last = ckpt.num_blocks - 1
+        last = run_init(cfg, log=quiet).num_blocks - 1
         build_cache(cfg, last, 0, log=quiet)  # the last block's input
         pristine = work / "checkpoint-0"
         shutil.copytree(cfg.run.checkpoint, pristine)
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)  # fmt: skip
         address = ray.get_runtime_context().gcs_address
-        rows = {b: {"in process": [], "ray train": [], "step in": [], "step ray": [],
-                    "wall in": [], "wall ray": []} for b in (0, last)}  # fmt: skip
-        for _ in range(a.repeats):
-            for b in (0, last):
-                # each visit starts from the same weights: the commit is undone after it
-                for arm, addr in (("in process", None), ("ray train", address)):
-                    tps, step, wall = _visit(cfg, b, addr)
-                    rows[b][arm].append(tps)
-                    rows[b]["step in" if addr is None else "step ray"].append(step)
-                    rows[b]["wall in" if addr is None else "wall ray"].append(wall)
-                    _reset(cfg, pristine)
+        keys = ("in process", "ray train", "step in", "step ray", "wall in", "wall ray")
+        rows = {b: {k: [] for k in keys} for b in (0, last)}
+        for _, b, (arm, addr) in itertools.product(range(a.repeats), (0, last),
+                                                   (("in", None), ("ray", address))):  # fmt: skip
+            tps, step, wall = _visit(cfg, b, addr)
+            for k, v in (("in process" if addr is None else "ray train", tps),
+                         (f"step {arm}", step), (f"wall {arm}", wall)):  # fmt: skip
+                rows[b][k].append(v)
+            # each visit from the same weights: block 0's commit would make the cache stale
+            shutil.rmtree(cfg.run.checkpoint)
+            shutil.copytree(pristine, cfg.run.checkpoint)
         ray.shutdown()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -104,24 +102,16 @@ def main(argv=None) -> dict:
               "start-up + eval + commit extra s (Ray)")]  # fmt: skip
     for b, r in rows.items():
         med = {k: statistics.median(v) for k, v in r.items()}
-        ratio = med["ray train"] / med["in process"]
-        steady = med["step in"] / med["step ray"]
+        ratio, steady = med["ray train"] / med["in process"], med["step in"] / med["step ray"]
         res["blocks"][str(b)] = {**r, "ratio": ratio, "steady_ratio": steady}
         table.append((f"{b} ({'tokens' if b == 0 else 'cache'})", f"{med['in process']:.0f}",
                       f"{med['ray train']:.0f}", f"{ratio:.2f}", f"{steady:.2f}",
                       f"{med['wall ray'] - med['wall in']:.1f}"))  # fmt: skip
     res["table"] = headline_table(table)
-    print(res["table"])
-    print(f"(medians of {a.repeats}; load average {load0} at start, {res['load_end']} at end)")
-    out = write_results(Path(a.out or results_path("ray_train_steps")), res)
+    text = f"{res['table']}\n(medians of {a.repeats}; load average {load0} at start, {res['load_end']} at end)"
+    out = publish(res, text, a.out, "ray_train_steps")
     ratios = [v["ratio"] for v in res["blocks"].values()]
     return {"headline": {"ray_train_over_in_process": min(ratios)}, "results": str(out)}
-
-
-def _reset(cfg, pristine: Path) -> None:
-    """Undo the visit's commit (block 0's would make the last block's cache stale)."""
-    shutil.rmtree(cfg.run.checkpoint)
-    shutil.copytree(pristine, cfg.run.checkpoint)
 
 
 if __name__ == "__main__":

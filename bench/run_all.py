@@ -29,8 +29,8 @@ from bench.harness import ROOT, clean, headline_table, rel, write_results
 BENCH = Path(__file__).resolve().parent
 NOT_IN_SUITE = ("run_all.py", "__init__.py", "gpu_check.py")  # gpu_check: bench/gpu_check.sh
 
-# Runs in the child (cwd: the directory holding the bench package): import the benchmark
-# module, call its main, write what it returned.
+# Runs in the child (cwd: the directory holding the bench package): the module's main, what it
+# returned written to BENCH_RESULT_PATH.
 _CHILD = r"""
 import importlib, inspect, json, os, sys, traceback
 module, out = sys.argv[1], os.environ["BENCH_RESULT_PATH"]
@@ -53,8 +53,8 @@ with open(out, "w") as f:
 
 
 def discover(bench_dir: Path = BENCH) -> list[dict]:
-    """Modules of the package bench_dir with a top-level `def main`, and whether they declare
-    --quick. Each record: name (the file's stem), module (`<package>.<name>`), path, quick."""
+    """Modules of the package bench_dir with a top-level `def main`: name (the file's stem),
+    module (`<package>.<name>`), path, and quick (the source declares --quick)."""
     found = []
     for path in sorted(bench_dir.glob("*.py")):
         if path.name in NOT_IN_SUITE or path.name.startswith("_"):
@@ -65,11 +65,8 @@ def discover(bench_dir: Path = BENCH) -> list[dict]:
         except SyntaxError as e:
             found.append({**rec, "error": f"SyntaxError: {e}"})
             continue
-        if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == "main"
-               for n in tree.body):  # fmt: skip
-            quick = any(
-                isinstance(n, ast.Constant) and n.value == "--quick" for n in ast.walk(tree)
-            )
+        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            quick = any(isinstance(n, ast.Constant) and n.value == "--quick" for n in ast.walk(tree))  # fmt: skip
             found.append({**rec, "quick": quick})
     return found
 
@@ -80,22 +77,19 @@ def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool =
         return {"status": "failed", "seconds": 0.0, "argv": [], "error": script["error"]}
     argv = ["--quick"] if use_quick and script.get("quick") else []
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path, out_path = (
-        log_dir / f"{script['name']}.log",
-        log_dir / f"{script['name']}.result.json",
-    )
-    out_path.unlink(missing_ok=True)
-    env = {**os.environ, "BENCH_RESULT_PATH": str(out_path)}
-    t0, rec = time.perf_counter(), {"argv": argv, "log": rel(log_path)}
-    with open(log_path, "w") as logf:
+    log, out = log_dir / f"{script['name']}.log", log_dir / f"{script['name']}.result.json"
+    out.unlink(missing_ok=True)
+    t0, rec = time.perf_counter(), {"argv": argv, "log": rel(log)}
+    with open(log, "w") as f:
         try:
             rc = subprocess.run([sys.executable, "-c", _CHILD, script["module"], *argv],
-                                cwd=Path(script["path"]).parent.parent, env=env, stdout=logf,
-                                stderr=subprocess.STDOUT, timeout=timeout).returncode  # fmt: skip
+                                cwd=Path(script["path"]).parent.parent, stdout=f, timeout=timeout,
+                                env={**os.environ, "BENCH_RESULT_PATH": str(out)},
+                                stderr=subprocess.STDOUT).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = None
     rec["seconds"] = time.perf_counter() - t0
-    child = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    child = json.loads(out.read_text()) if out.is_file() else {}
     if rc is None:
         rec.update(status="timeout", error=f"no result within {timeout:.0f} s")
     elif child.get("result") is not None:
@@ -108,13 +102,8 @@ def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool =
     else:
         rec.update(status="failed", error=f"the process exited with {rc} before main returned")
     if rec["status"] != "ok":
-        lines = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
-        rec["log_tail"] = "\n".join(lines[-15:])
+        rec["log_tail"] = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     return rec
-
-
-# ---------------------------------------------------------------------------------------------
-# Tables
 
 
 def flatten(obj, prefix: str = "", out: dict | None = None, limit: int = 400) -> dict:
@@ -122,11 +111,8 @@ def flatten(obj, prefix: str = "", out: dict | None = None, limit: int = 400) ->
     out = {} if out is None else out
     if len(out) >= limit:
         return out
-    if (
-        isinstance(obj, list | tuple)
-        and len(obj) > 16
-        and all(not isinstance(v, dict | list) for v in obj)
-    ):
+    flat = isinstance(obj, list | tuple) and not any(isinstance(v, dict | list) for v in obj)
+    if flat and len(obj) > 16:
         out[prefix] = f"[{len(obj)} values]"
     elif isinstance(obj, dict | list | tuple):
         for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
@@ -137,16 +123,12 @@ def flatten(obj, prefix: str = "", out: dict | None = None, limit: int = 400) ->
 
 
 def fmt(v) -> str:
-    if isinstance(v, bool) or v is None:
+    if isinstance(v, bool) or v is None or (isinstance(v, float) and not math.isfinite(v)):
         return str(v)
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
-        if v == 0:
-            return "0"
-        return f"{v:.3g}" if abs(v) >= 1e5 or abs(v) < 1e-3 else f"{v:.4g}"
+        return "0" if v == 0 else f"{v:.3g}" if abs(v) >= 1e5 or abs(v) < 1e-3 else f"{v:.4g}"
     s = str(v).replace("|", "\\|").replace("\n", " ")
     return s if len(s) <= 80 else s[:77] + "..."
 
@@ -154,11 +136,8 @@ def fmt(v) -> str:
 def headline(result: dict, n: int = 6) -> str:
     """A few key numbers of a result: its 'headline'/'summary' entry if it has one, else the
     first scalar leaves."""
-    for key in ("headline", "summary"):
-        if isinstance(result.get(key), dict):
-            result = result[key]
-            break
-    leaves = flatten(result)
+    leaves = flatten(next((result[k] for k in ("headline", "summary")
+                           if isinstance(result.get(k), dict)), result))  # fmt: skip
     more = len(leaves) - n
     txt = "; ".join(f"{k}={fmt(v)}" for k, v in list(leaves.items())[:n])
     return txt + (f"; … (+{more})" if more > 0 else "")
@@ -166,23 +145,23 @@ def headline(result: dict, n: int = 6) -> str:
 
 def markdown(run: dict, max_rows: int = 60) -> str:
     rows = [("script", "status", "args", "time (s)", "key results")]
-    for name, rec in run["scripts"].items():
-        what = headline(rec["result"]) if rec["status"] == "ok" else fmt(rec.get("error", ""))
-        rows.append((f"`{name}`", rec["status"], " ".join(rec["argv"]) or "(defaults)",
-                     f"{rec['seconds']:.0f}", what))  # fmt: skip
+    rows += [(f"`{name}`", rec["status"], " ".join(rec["argv"]) or "(defaults)",
+              f"{rec['seconds']:.0f}",
+              headline(rec["result"]) if rec["status"] == "ok" else fmt(rec.get("error", "")))
+             for name, rec in run["scripts"].items()]  # fmt: skip
+    h = run["host"]
     L = [f"# Benchmarks ({run['started']})", "",
-         f"`{run['command']}` on {run['host']['cpus']} CPUs ({run['host']['machine']}, Python "
-         f"{run['host']['python']}, load average {run['host']['loadavg_start']:.1f} at start); "
-         f"commit `{run['commit']}`; total {run['seconds'] / 60:.1f} min. Raw: `{run['json']}`.",
-         "", headline_table(rows)]  # fmt: skip
+         f"`{run['command']}` on {h['cpus']} CPUs ({h['machine']}, Python {h['python']}, load "
+         f"average {h['loadavg_start']:.1f} at start); commit `{run['commit']}`; total "
+         f"{run['seconds'] / 60:.1f} min. Raw: `{run['json']}`.", "", headline_table(rows)]  # fmt: skip
     for name, rec in run["scripts"].items():
         L += ["", f"## {name}", ""]
         if rec["status"] != "ok":
             L.append(f"**{rec['status']}**: {fmt(rec.get('error', ''))} (log: `{rec.get('log')}`)")
             continue
-        leaves = flatten(rec["result"])
-        L += ["| metric | value |", "|---|---|"]
-        L += [f"| {fmt(k)} | {fmt(v)} |" for k, v in list(leaves.items())[:max_rows]]
+        leaves = list(flatten(rec["result"]).items())
+        L += ["| metric | value |", "|---|---|", *(f"| {fmt(k)} | {fmt(v)} |" for k, v in
+              leaves[:max_rows])]  # fmt: skip
         if len(leaves) > max_rows:
             L.append(f"| … | {len(leaves) - max_rows} more in the JSON |")
     return "\n".join(L) + "\n"
@@ -201,8 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(args.only or []) - {s["name"] for s in scripts}
     if unknown:
         ap.error(f"no benchmark named {', '.join(sorted(unknown))}")
-    scripts = [s for s in scripts if s["name"] in (args.only or [s["name"]])]
-    scripts = [s for s in scripts if s["name"] not in args.skip]
+    scripts = [s for s in scripts if s["name"] in (args.only or [s["name"]])
+               and s["name"] not in args.skip]  # fmt: skip
     results_dir, stamp = Path(args.results_dir), time.strftime("%Y%m%d-%H%M%S")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.arms import PeakMemory, in_child
-from bench.harness import quiet
+from bench.harness import headline_table, quiet
 
 VOCAB_WORDS = 20_000
 
@@ -111,7 +111,7 @@ def long_doc_pack(n: int, seq_len: int) -> float:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1M,50M", help="corpus sizes in tokens, comma separated")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--shard-rows", type=int, default=4096)
@@ -120,39 +120,34 @@ def main(argv=None) -> dict:
     ap.add_argument("--long-doc", default="0", help="also time pack() on one document this long")
     ap.add_argument("--work", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--tiny", action="store_true", help="20k and 40k tokens (tests)")
-    args = ap.parse_args(argv)
-    if args.tiny:
-        args.sizes, args.file_tokens, args.doc_tokens = "20k,40k", "20k", 500
-
-    work = Path(args.work or tempfile.mkdtemp(prefix="tokenize_scale-"))
+    a = ap.parse_args(argv)
+    if a.tiny:
+        a.sizes, a.file_tokens, a.doc_tokens = "20k,40k", "20k", 500
+    work = Path(a.work or tempfile.mkdtemp(prefix="tokenize_scale-"))
     work.mkdir(parents=True, exist_ok=True)
     tok = work / "tokenizer.json"
     per_word = train_tokenizer(tok)
     results = []
-    for size in args.sizes.split(","):
+    for size in a.sizes.split(","):
         corpus = work / f"corpus-{size}"
-        info = write_corpus(corpus, _count(size), doc_tokens=args.doc_tokens,
-                            file_tokens=_count(args.file_tokens), tok_per_word=per_word)  # fmt: skip
+        info = write_corpus(corpus, _count(size), doc_tokens=a.doc_tokens,
+                            file_tokens=_count(a.file_tokens), tok_per_word=per_word)  # fmt: skip
         r = in_child("bench.tokenize_scale:child", {
             "corpus": str(corpus), "tokenizer": str(tok), "run_dir": str(work / f"run-{size}"),
-            "seq_len": args.seq_len, "shard_rows": args.shard_rows})  # fmt: skip
+            "seq_len": a.seq_len, "shard_rows": a.shard_rows})  # fmt: skip
         results.append({"size": size, **info, **r, "tok_s": r["tokens"] / r["seconds"]})
-
-    print(f"tokenize scale (S={args.seq_len}, shard_rows={args.shard_rows}, "
-          f"~{args.doc_tokens} tokens/doc, {args.file_tokens} tokens/file)\n")  # fmt: skip
-    print("| corpus | tokens | docs | files | seconds | tokens/s | peak RSS MiB | RSS growth MiB "
-          "| tokens/s vs first | peak RSS vs first |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    first = results[0]
-    for r in results:
-        print(f"| {r['size']} | {r['tokens']:,} | {r['docs']:,} | {r['files']} | "
-              f"{r['seconds']:.1f} | {r['tok_s']:,.0f} | {r['peak_rss_mb']:.0f} | "
-              f"{r['peak_rss_mb'] - r['base_rss_mb']:.0f} | {r['tok_s'] / first['tok_s']:.2f} | "
-              f"{r['peak_rss_mb'] / first['peak_rss_mb']:.2f} |")  # fmt: skip
-    print("\ntarget at 50M: tokens/s >= 0.80x and peak RSS <= 1.20x the 1M figures")
-    if _count(args.long_doc):
-        n = _count(args.long_doc)
-        print(f"\npack() of one {n:,}-token document: {long_doc_pack(n, args.seq_len):.2f} s")
+    rows = [("corpus", "tokens", "docs", "files", "seconds", "tokens/s", "peak RSS MiB",
+             "RSS growth MiB", "tokens/s vs first", "peak RSS vs first")]  # fmt: skip
+    rows += [(r["size"], f"{r['tokens']:,}", f"{r['docs']:,}", r["files"], f"{r['seconds']:.1f}",
+              f"{r['tok_s']:,.0f}", f"{r['peak_rss_mb']:.0f}",
+              f"{r['peak_rss_mb'] - r['base_rss_mb']:.0f}", f"{r['tok_s'] / results[0]['tok_s']:.2f}",
+              f"{r['peak_rss_mb'] / results[0]['peak_rss_mb']:.2f}") for r in results]  # fmt: skip
+    print(f"tokenize scale (S={a.seq_len}, shard_rows={a.shard_rows}, ~{a.doc_tokens} tokens/doc, "
+          f"{a.file_tokens} tokens/file)\n\n{headline_table(rows)}\n\ntarget at 50M: tokens/s "
+          ">= 0.80x and peak RSS <= 1.20x the 1M figures")  # fmt: skip
+    if _count(a.long_doc):
+        n = _count(a.long_doc)
+        print(f"\npack() of one {n:,}-token document: {long_doc_pack(n, a.seq_len):.2f} s")
     return {"sizes": results}
 
 
