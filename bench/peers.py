@@ -5,39 +5,25 @@
     python -m bench.peers --work runs/peers     # the full form (hours): 3 lrs per arm on seed 0,
                                                 # seeds 1, 2 at each arm's best, 30 steps of 8
     python -m bench.peers --quick --model tiny --inline  # a tiny random LLaMA, arms in-process
-    python -m bench.peers --quick --sweep       # the quick steps, 3 lrs per arm
-    python -m bench.peers --arms bcd --lrs bcd=3e-4 --cache-dtype fp32   # fp32 caches
     python -m bench.peers --arms bcd full --bcd-set model.tie_embeddings=false \
         --bcd-set train.always_train=[head]     # the bcd arms untied, the head in every visit
     python -m bench.peers --work runs/peers --jobs 2 --resume   # two arms at a time; reuse
                                                 # every run record the same settings made
 
 Without the real model or the `real` extra (badam, peft) it prints why and returns
-{"skipped": ...}. The model (default models/smollm2-135m-instruct, `make real-model`: LLaMA
-layout, tied) is fine-tuned on prompt/response pairs from the stdlib's docstrings (1,200 in a
-fixed hash order, sha256 recorded; --data sitepkgs: the held-out set). One token store
-(configs/finetune.yaml, loss on response tokens) and one init checkpoint serve every arm, each
-in its own process (bench/arms.py). Arms:
-
-  bcd            preinfer's rotation with the cache (run_bcd, the product's defaults, M blocks
-                 ascending, train.cache_visits M: each visit its own rows)
-  bcd-recompute  the same rotation, the frozen prefix rerun every step, at bcd's lr
-  full           AutoModelForCausalLM, AdamW on every parameter
-  badam-layers   PyPI badam's BlockOptimizer, its default block list (one per layer), switching
-                 every (M x steps per visit) / L steps: a round visits every layer once
-  badam-blocks   the same over preinfer's M blocks, steps per visit steps per block
-  lora           PyPI peft, r 16, alpha 32, "all-linear"
-
-Every arm reads the same batches (those bcd-recompute reads for visit (r, k)), the same steps,
-batch, weight decay 1e-5, clipping 1.0, one warmup + cosine over the run, fp32 (bf16 matmuls
-are ~50x slower on an AVX2 CPU), the LM head on response positions only. After every visit: val loss (the first eval_batches x batch val rows;
-the bcd arms' by `preinfer eval` of their checkpoint, in the parent) against training seconds
+{"skipped": ...}. The model (default models/smollm2-135m-instruct, `make real-model`) is
+fine-tuned on prompt/response pairs from the stdlib's docstrings (bench/peers_arms.py; --data
+sitepkgs: the held-out set). One token store and init checkpoint serve every arm, each in its
+own process (bench/arms.py). Arms: bcd (run_bcd, the product's defaults), bcd-recompute (the
+same rotation, the prefix rerun every step, at bcd's lr), full (AdamW on every parameter),
+badam-layers (PyPI badam, one block per layer, a round visits every layer once), badam-blocks
+(BAdam over preinfer's M blocks), lora (PyPI peft, r 16, alpha 32, all-linear). Every arm reads
+the same batches and steps, one warmup + cosine over the run, fp32. After every visit: val loss
+(the bcd arms' by `preinfer eval` of their checkpoint, in the parent) against training seconds
 (less every evaluation), and each arm's peak RSS. The full form sweeps each arm's lr on the
-first seed (best: lowest final val loss), then runs the other seeds at it. Targets (#27): bcd's
-wall-clock to BAdam's final val loss / BAdam's (<= 0.8), bcd's val loss at full's wall-clock /
-full's (<= 1.0), bcd's peak RSS / BAdam's (<= 1.0); medians over all seeds (harness.spread: a
-target whose median is not reached is missed).
-One torch thread per arm by default (--threads): on 2 busy CPUs two threads wait on each other.
+first seed (best: lowest final val loss), then runs the other seeds at it. TARGETS: medians
+over all seeds (harness.spread: a target whose median is not reached is missed). One torch
+thread per arm by default (--threads): on 2 busy CPUs two threads wait on each other.
 """
 
 from __future__ import annotations
@@ -79,7 +65,7 @@ def loss_at(curve: list[dict], seconds: float) -> float:
 def targets(runs: dict[str, dict]) -> dict:
     """The issue's ratios for one seed's best-lr runs (arm -> run)."""
     bcd, out = runs["bcd"], {}
-    for b in ("badam-layers", "badam-blocks"):
+    for b in BADAM:
         if b not in runs:
             continue
         hit = h.first_reach(bcd["curve"], runs[b]["final_loss"], "loss")
@@ -103,23 +89,17 @@ def targets(runs: dict[str, dict]) -> dict:
     return out
 
 
-TARGETS = [  # key, what, target, met when
-    ("bcd_time_to_badam-layers_loss", "bcd wall-clock to badam-layers' final val loss / "
-     "badam-layers'", "<= 0.8", lambda v: v <= 0.8),
-    ("bcd_time_to_badam-blocks_loss", "bcd wall-clock to badam-blocks' final val loss / "
-     "badam-blocks'", "<= 0.8", lambda v: v <= 0.8),
-    ("bcd_loss_at_full_time", "bcd val loss at full's wall-clock / full's final (stretch)",
-     "<= 1.0", lambda v: v <= 1.0),
-    ("bcd_best_over_full_best", "bcd's best val loss / full's best (#41, a multi-epoch run)",
-     "<= 1.01", lambda v: v <= 1.01),
-    ("bcd_loss_at_lora_time", "bcd val loss at LoRA's wall-clock / LoRA's final (#41)",
-     "<= 1.0", lambda v: v <= 1.0),
-    ("bcd_peak_over_lora", "bcd peak RSS / LoRA's (#41)", "<= 1.0", lambda v: v <= 1.0),
-    ("bcd_peak_over_badam-layers", "bcd peak RSS / badam-layers'", "<= 1.0", lambda v: v <= 1.0),
-    ("bcd_peak_over_badam-blocks", "bcd peak RSS / badam-blocks'", "<= 1.0", lambda v: v <= 1.0),
-    ("bcd_over_badam-blocks_seconds", "bcd seconds / badam-blocks' (the same steps)", "", None),
-    ("bcd_minus_badam-blocks_loss", "bcd final val loss - badam-blocks'", "", None),
-    ("bcd_over_recompute_seconds", "bcd seconds / bcd-recompute's (same visits)", "", None),
+BADAM = ("badam-layers", "badam-blocks")
+TARGETS = [  # key, what, at most (None: no target)
+    *[(f"bcd_time_to_{b}_loss", f"bcd wall-clock to {b}' final val loss / {b}'", 0.8) for b in BADAM],
+    ("bcd_loss_at_full_time", "bcd val loss at full's wall-clock / full's final (stretch)", 1.0),
+    ("bcd_best_over_full_best", "bcd's best val loss / full's best (#41, a multi-epoch run)", 1.01),
+    ("bcd_loss_at_lora_time", "bcd val loss at LoRA's wall-clock / LoRA's final (#41)", 1.0),
+    ("bcd_peak_over_lora", "bcd peak RSS / LoRA's (#41)", 1.0),
+    *[(f"bcd_peak_over_{b}", f"bcd peak RSS / {b}'", 1.0) for b in BADAM],
+    ("bcd_over_badam-blocks_seconds", "bcd seconds / badam-blocks' (the same steps)", None),
+    ("bcd_minus_badam-blocks_loss", "bcd final val loss - badam-blocks'", None),
+    ("bcd_over_recompute_seconds", "bcd seconds / bcd-recompute's (same visits)", None),
 ]  # fmt: skip
 
 
@@ -132,15 +112,15 @@ def render(res: dict) -> str:
                      f"{s['peak_rss_mb']['median']:.0f} ({s['peak_growth_mb']['median']:.0f})",
                      s["trainable"], str(s["steps"]), str(s["load_start"])))  # fmt: skip
     t = [("target (issue #27)", "median [min, max]", "seeds", "target", "met")]
-    for key, what, goal, ok in TARGETS:
+    for key, what, most in TARGETS:
         s = res["targets"].get(key)
         if s is None:
             continue
-        met = "" if ok is None else ("yes" if s["median"] is not None and ok(s["median"]) else "NO")
+        ok = s["median"] is not None and most is not None and s["median"] <= most
+        met = "" if most is None else "yes" if ok else "NO"
         f = "{:+.4f}" if key.startswith("bcd_minus") else "{:.3f}"
-        t.append(
-            (what, h.show(s, f), h.reached(s) if "time_to" in key else str(s["of"]), goal, met)
-        )
+        t.append((what, h.show(s, f), h.reached(s) if "time_to" in key else str(s["of"]),
+                  "" if most is None else f"<= {most:g}", met))  # fmt: skip
     sweep = [("arm", "lr", "seed", "final val loss", "train s", "peak RSS MiB", "load at start")]
     for r in res["runs"]:
         sweep.append((r["arm"], f"{r['lr']:g}", str(r["seed"]), f"{r['final_loss']:.4f}",
@@ -148,33 +128,23 @@ def render(res: dict) -> str:
     return "\n\n".join(h.headline_table(x) for x in (rows, t, sweep))
 
 
-def _trainable(run: dict) -> str:
-    t = run["trainable_params"]
-    return f"{min(t) / 1e6:.2f}M-{max(t) / 1e6:.2f}M" if min(t) != max(t) else f"{t[0] / 1e6:.2f}M"
-
-
 def summarise(runs: list[dict], best: dict[str, float], seeds: list[int]) -> dict:
     """Per arm at its best lr: medians and spread over seeds; the targets per seed, then their
     medians."""
     at_best = {a: [r for r in runs if r["arm"] == a and r["lr"] == best[a]] for a in best}
     arms = {}
-    for a, rs in at_best.items():
-        if not rs:
-            continue
+    for a, rs in ((a, rs) for a, rs in at_best.items() if rs):
+        t = [x / 1e6 for x in rs[0]["trainable_params"]]
         arms[a] = {
-            "lr": best[a], "seeds": [r["seed"] for r in rs],
-            "start_loss": rs[0]["curve"][0]["loss"],
-            "final_loss": h.spread([r["final_loss"] for r in rs]),
-            "seconds": h.spread([r["seconds"] for r in rs]),
-            "peak_rss_mb": h.spread([r["peak_rss_mb"] for r in rs]),
-            "peak_growth_mb": h.spread([r["peak_growth_mb"] for r in rs]),
-            "trainable": _trainable(rs[0]), "steps": rs[0]["steps"],
-            "load_start": rs[0]["load_start"], "schedule": rs[0]["schedule"],
+            "lr": best[a], "seeds": [r["seed"] for r in rs], "start_loss": rs[0]["curve"][0]["loss"],
+            **{k: h.spread([r[k] for r in rs]) for k in ("final_loss", "seconds", "peak_rss_mb",
+                                                          "peak_growth_mb")},
+            "trainable": f"{min(t):.2f}M-{max(t):.2f}M" if min(t) != max(t) else f"{t[0]:.2f}M",
+            **{k: rs[0][k] for k in ("steps", "load_start", "schedule")},
         }  # fmt: skip
     per_seed = []
     for s in seeds:
-        by_arm = {a: next((r for r in rs if r["seed"] == s), None) for a, rs in at_best.items()}
-        by_arm = {a: r for a, r in by_arm.items() if r is not None}
+        by_arm = {a: r for a, rs in at_best.items() for r in rs if r["seed"] == s}
         if "bcd" in by_arm:
             per_seed.append({"seed": s, **targets(by_arm)})
     keys = sorted({k for t in per_seed for k in t if k != "seed"})
@@ -196,27 +166,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dtype", default=None, choices=["bf16", "fp16", "fp32"],
                     help="cache.dtype of the bcd arm (default bf16)")  # fmt: skip
     ap.add_argument("--data", default=None, choices=["stdlib", "sitepkgs"],
-                    help="instruction set: stdlib docstrings (default) or the held-out "
-                         "site-packages docstrings")  # fmt: skip
+                    help="the stdlib's docstrings (default) or the held-out site-packages'")  # fmt: skip
     ap.add_argument("--eval-batches", type=int, default=None,
                     help="val batches of every evaluation (0 = the whole val split; default 4)")  # fmt: skip
     ap.add_argument("--bcd-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override of the bcd arms only (repeatable), e.g. "
-                         "model.tie_embeddings=false, train.always_train=[head]")  # fmt: skip
-    ap.add_argument("--sweep", action="store_true",
-                    help="the full form's 3 lrs per arm at this scale (e.g. with --quick)")  # fmt: skip
+                    help="a config override of the bcd arms only (repeatable)")  # fmt: skip
+    ap.add_argument("--sweep", action="store_true", help="the full form's 3 lrs per arm")
     ap.add_argument("--lrs", action="append", default=[], metavar="ARM=LR,LR,...",
                     help="an arm's lr grid (repeatable), e.g. badam-blocks=1e-4,3e-4,1e-3")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads of each arm and of the evaluations (default 1: on a busy "
-                         "machine two threads wait on each other; 0 = torch's default)")  # fmt: skip
+                    help="torch threads of each arm and the evaluations (0 = torch's default)")  # fmt: skip
     ap.add_argument("--inline", action="store_true",
-                    help="run the arms in this process (fast; peak RSS is then not each arm's own)")  # fmt: skip
-    ap.add_argument("--jobs", type=int, default=1,
-                    help="arms run this many at a time, each its own process (default 1)")  # fmt: skip
+                    help="run the arms in this process (peak RSS then not each arm's own)")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=1, help="arms run at a time, each its own process")
     ap.add_argument("--resume", action="store_true",
-                    help="with --work: reuse each run whose record <work>/runs/*.json was made "
-                         "by the same settings; run the rest")  # fmt: skip
+                    help="reuse each record <work>/runs/*.json the same settings made")  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep every run's checkpoint / weights")
     ap.add_argument("--work", default=None, help="keep data, tokens, init and runs here")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
@@ -227,9 +191,8 @@ def main(argv=None) -> dict:
                     ("eval_batches", a.eval_batches)):  # fmt: skip
         if v is not None:
             setattr(sc, name, v)
-    for item in a.bcd_set:
-        if "=" not in item:
-            ap.error(f"--bcd-set {item!r}: give KEY=VALUE, e.g. train.always_train=[head]")
+    if any("=" not in x for x in a.bcd_set):
+        ap.error(f"--bcd-set {a.bcd_set}: give KEY=VALUE, e.g. train.always_train=[head]")
     sc.bcd_set = list(a.bcd_set)
     sc.lrs = dict(FULL.lrs if a.sweep else sc.lrs)  # a copy: the preset's own dict stays
     for item in a.lrs:
@@ -266,8 +229,7 @@ def main(argv=None) -> dict:
     runs: list[dict] = []
 
     def one(arm: str, lr: float, seed: int) -> dict:
-        name = f"{arm}-lr{lr:g}-s{seed}"
-        mine = arm in BCD_ARMS  # bcd, bcd-recompute: with --bcd-set's overrides
+        name, mine = f"{arm}-lr{lr:g}-s{seed}", arm in BCD_ARMS  # mine: with --bcd-set's
         spec = {"arm": arm, "lr": lr, "seed": seed, "M": sc.M, "model_dir": prep["model_dir"],
                 "overrides": [*prep["common"], *(prep["bcd_set"] if mine else [])],
                 "init": prep["bcd_init" if mine else "init"],
@@ -279,33 +241,27 @@ def main(argv=None) -> dict:
         spec["start"] = {"steps": 0, "seconds": 0.0, "loss": spec["initial_loss"]} if mine else None
         # what makes a run's result: a record made by another spec is not reused
         made_by = {k: v for k, v in spec.items() if k not in ("keep", "run_dir")}
-        record = work / "runs" / f"{name}.json"
-        if a.resume and record.is_file():
-            r = json.loads(record.read_text())
-            if r.get("made_by") == json.loads(json.dumps(made_by)):
-                runs.append(r)
-                print(f"  {arm:>13} lr {lr:<7g} seed {seed}: reused {record.name} (--resume)",
-                      flush=True)  # fmt: skip
-                return r
-            print(f"  {arm:>13} lr {lr:<7g} seed {seed}: {record.name} was made by other "
-                  "settings: rerun", flush=True)  # fmt: skip
-        r = run_arm(spec, log_path=None if a.inline else work / "logs" / f"{name}.log")
-        r["made_by"] = made_by
+        record, say = work / "runs" / f"{name}.json", f"  {arm:>13} lr {lr:<7g} seed {seed}:"
+        r = json.loads(record.read_text()) if a.resume and record.is_file() else None
+        if r and r.get("made_by") == json.loads(json.dumps(made_by)):
+            print(f"{say} reused {record.name} (--resume)", flush=True)
+        else:
+            if r:
+                print(f"{say} {record.name} was made by other settings: rerun", flush=True)
+            r = run_arm(spec, log_path=None if a.inline else work / "logs" / f"{name}.log")
+            r["made_by"] = made_by
+            h.write_results(record, r)  # as soon as it ends: a bench stopped midway keeps it
+            print(f"{say} val loss {r['curve'][0]['loss']:.4f} -> {r['final_loss']:.4f} in "
+                  f"{r['seconds']:.0f}s train, peak RSS {r['peak_rss_mb']:.0f} MiB, load "
+                  f"{r['load_start']}", flush=True)  # fmt: skip
         runs.append(r)
-        # each run's record as soon as it ends: a bench stopped midway keeps what ran
-        h.write_results(record, r)
-        print(f"  {arm:>13} lr {lr:<7g} seed {seed}: val loss {r['curve'][0]['loss']:.4f} -> "
-              f"{r['final_loss']:.4f} in {r['seconds']:.0f}s train, peak RSS "
-              f"{r['peak_rss_mb']:.0f} MiB, load {r['load_start']}", flush=True)  # fmt: skip
         return r
 
-    def batch(jobs: list[tuple[str, float, int]]) -> None:
+    def batch(jobs: list[tuple[str, float, int]]):
         """Runs, a.jobs at a time (each arm's own process; the parent answers their
         evaluations in its threads). Every run's record lands in `runs`."""
-        if a.jobs == 1:
-            for j in jobs:
-                one(*j)
-            return
+        if a.jobs == 1:  # in this thread: an --inline arm's torch state is the main thread's
+            return [one(*j) for j in jobs]
         with ThreadPoolExecutor(max_workers=a.jobs) as pool:
             for f in [pool.submit(one, *j) for j in jobs]:
                 f.result()
