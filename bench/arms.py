@@ -6,19 +6,16 @@
     res = in_child("bench.x:fn", spec)                # fn(spec, ask) in a fresh process
     arm = BlockStep("bcd", cfg, ckpt, block, device)  # one training step, as a visit takes it
 
-An arm is a JSON spec: its runner ("module:function", default preinfer_arm: pipelines.bcd's
-run_bcd in spec["mode"] full, bcd or bcd-recompute; peers' HF arms are bench/peers_arms.py's),
-its config (YAML and overrides), init checkpoint, run dir, lr, seed, stop rule (Stop) and the
-val batches of an evaluation. The runner measures its own training seconds (Clock: evaluations
-excluded), its peak memory (PeakMemory: the RSS high-water mark polled every 10 ms, paused
-around evaluations) and the load average, and returns its record: curve, seconds, peak_rss_mb,
-final_loss / final_ppl, cache events, visits. A bcd arm's evaluations (run_eval of its
-checkpoint after every visit) are made by the parent process while the arm waits (`ask`), so
-their memory is never the arm's; full's whole-val points use its in-memory model.
-
-In its own process (`python -m bench.arms TARGET`) the child reads the spec as a JSON line on
-stdin and writes one JSON object a line on its stdout: {"ask": question} (answered on stdin),
-then {"result": ...}; everything else it prints goes to stderr, the log.
+An arm is a JSON spec: its runner ("module:function", default preinfer_arm: run_bcd in
+spec["mode"]; peers' HF arms are bench/peers_arms.py's hf_arm), config (YAML and overrides),
+init checkpoint, run dir, lr, seed, stop rule (Stop) and the val batches of an evaluation. The
+runner measures its training seconds (Clock: evaluations excluded), its peak memory
+(PeakMemory, paused around evaluations) and the load average, and returns its record: curve,
+seconds, peak_rss_mb, final_loss / final_ppl, cache events, visits. A bcd arm's evaluations
+(run_eval of its checkpoint after every visit) are made by the parent while the arm waits
+(`ask`), so their memory is never the arm's. The child (`python -m bench.arms TARGET`) reads
+the spec as a JSON line on stdin and writes {"ask": question} lines (answered on stdin), then
+{"result": ...} on its stdout; everything else it prints goes to stderr, the log.
 """
 
 from __future__ import annotations
@@ -352,22 +349,19 @@ def preinfer_arm(spec: dict, clock: Clock, mem: PeakMemory, evaluate) -> dict:
     builds = [e for e in events if e.get("executor")]
     cache_s = sum(e["seconds"] for e in events)
     prev = [0] + [c["steps"] for c in curve]  # (block, steps) of each visit, from the curve
-    visits = [
-        (p["block"], p["steps"] - q) for p, q in zip(curve, prev, strict=False) if "block" in p
-    ]
+    visits = [(p["block"], p["steps"] - q) for p, q in zip(curve, prev, strict=False) if "block" in p]  # fmt: skip
     if full:
         visits = [(0, curve[-1]["steps"])] if curve else []
     if not spec.get("keep"):  # checkpoints and caches: not needed after the curve
         shutil.rmtree(run / "checkpoint", ignore_errors=True)
         shutil.rmtree(run / "cache", ignore_errors=True)
+    pick = lambda e, keys: {k: e.get(k) for k in ("action", "boundary", "round", "seconds", *keys)}  # noqa: E731
     return {
         "mode": mode, "seconds": seconds, "curve": curve, "steps": curve[-1]["steps"] if curve else 0,
         "cache_seconds": cache_s, "cache_share": cache_s / seconds if seconds else 0.0,
-        "cache_events": [{k: e.get(k) for k in ("action", "boundary", "round", "seconds", "rows")}
-                         for e in events],
-        "builds": [{k: e.get(k) for k in ("action", "boundary", "round", "seconds", "fixed_s",
-                                          "rows", "executor")} for e in builds],
-        "fixed_share": (sum(e["fixed_s"] for e in builds) / sum(e["seconds"] for e in builds))
+        "cache_events": [pick(e, ("rows",)) for e in events],
+        "builds": [pick(e, ("fixed_s", "rows", "executor")) for e in builds],
+        "fixed_share": sum(e["fixed_s"] for e in builds) / sum(e["seconds"] for e in builds)
         if builds else None,
         "visits": visits, "budget": budget.why, "passes": budget.passes, "rows": budget.rows,
         "val_rows": budget.val_rows, "tokens_per_step": cfg.train.batch_size * cfg.data.seq_len,

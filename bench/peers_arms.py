@@ -45,12 +45,11 @@ SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turt
 # source the levers were not chosen on
 SITE_PACKAGES = ("numpy", "torch", "transformers", "datasets", "pyarrow", "ray", "zarr",
                  "matplotlib", "fsspec")  # fmt: skip
-DATASETS = ("stdlib", "sitepkgs")
 ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
 BCD_ARMS = ("bcd", "bcd-recompute")
-WEIGHT_DECAY, GRAD_CLIP, BETAS = 1e-5, 1.0, (0.9, 0.999)  # preinfer's AdamW defaults, every arm
+GRAD_CLIP = 1.0
 # every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.train.step.build_optimizer)
-ADAMW = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "fused": True}
+ADAMW = {"betas": (0.9, 0.999), "weight_decay": 1e-5, "fused": True}
 LORA_R, LORA_ALPHA = 16, 32
 
 
@@ -71,7 +70,7 @@ class Scale:
     # an init checkpoint of their own)
     warmup_steps: int = 5  # of the run (bcd: of its rotation, train.schedule=run)
     eval_batches: int = 4  # an evaluation reads the first eval_batches x batch val rows (0: all)
-    data: str = "stdlib"  # the instruction set (DATASETS): stdlib or the held-out sitepkgs
+    data: str = "stdlib"  # the instruction set: stdlib or the held-out sitepkgs
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     # peak lrs swept per arm on the first seed (bcd-recompute runs at bcd's)
     lrs: dict[str, list[float]] = field(default_factory=lambda: {
@@ -85,9 +84,7 @@ QUICK = Scale(batch_size=4, steps_per_visit=4, warmup_steps=1, eval_batches=2, s
                    "badam-blocks": [1e-4], "lora": [1e-3]})  # fmt: skip
 # --model tiny: a random 6-layer LLaMA (H=32) with a BPE trained on the pairs; the test's size
 TINY = Scale(pairs=240, seq_len=96, batch_size=4, val_fraction=0.2, steps_per_visit=2,
-             warmup_steps=1, eval_batches=1, seeds=[0],
-             lrs={"bcd": [3e-3], "full": [3e-3], "badam-layers": [3e-3], "badam-blocks": [3e-3],
-                  "lora": [3e-3]})  # fmt: skip
+             warmup_steps=1, eval_batches=1, seeds=[0], lrs=dict.fromkeys(ARMS[:1] + ARMS[2:], [3e-3]))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,10 +249,8 @@ def badam(model, lr: float, prefixes: list[list[str]] | None):
     ascending. switch_block_every past any run: BAdam 1.4 switches after step (n+1) % every == 0,
     so its first block would get one step fewer; the caller switches through the public
     switch_trainable_params."""
-    try:
-        from badam import BlockOptimizer
-    except ImportError as e:
-        raise SystemExit(f"the badam arms need the PyPI package badam ({e}); {INSTALL}") from None
+    from badam import BlockOptimizer  # missing_parts checked it is here
+
     base = torch.optim.AdamW(model.parameters(), lr=lr, **ADAMW)
     return BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
                           block_prefix_list=prefixes, switch_block_every=10**9,
@@ -299,15 +294,11 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
             switch_every = max(1, M * per_visit // model.config.num_hidden_layers)
         info["blocks"] = [p[:3] + (["..."] if len(p) > 3 else []) for p in opt.block_prefix_list]
         info["block_count"], info["switch_every"] = opt.block_num, switch_every
-    elif arm in ("full", "lora"):
+    else:  # full, lora
         info["blocks"] = "every parameter"  # the tied head is the embedding: listed once
-        if arm == "lora":
-            try:
-                from peft import LoraConfig, get_peft_model
-            except ImportError as e:
-                raise SystemExit(
-                    f"the lora arm needs the PyPI package peft ({e}); {INSTALL}"
-                ) from None
+        if arm == "lora":  # missing_parts checked peft is here
+            from peft import LoraConfig, get_peft_model
+
             conf = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                               target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
             model = get_peft_model(model, conf)
@@ -315,8 +306,6 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
             info["blocks"] = f"LoRA r {LORA_R}, alpha {LORA_ALPHA}, all-linear"
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr, **ADAMW)
-    else:
-        raise SystemExit(f"unknown arm {arm!r}")
     model.train()
 
     def evaluate() -> float:
