@@ -352,9 +352,8 @@ def preinfer_arm(spec: dict, clock: Clock, mem: PeakMemory, evaluate) -> dict:
     visits = [(p["block"], p["steps"] - q) for p, q in zip(curve, prev, strict=False) if "block" in p]  # fmt: skip
     if full:
         visits = [(0, curve[-1]["steps"])] if curve else []
-    if not spec.get("keep"):  # checkpoints and caches: not needed after the curve
-        shutil.rmtree(run / "checkpoint", ignore_errors=True)
-        shutil.rmtree(run / "cache", ignore_errors=True)
+    for done in ("checkpoint", "cache"):  # not needed after the curve
+        shutil.rmtree(run / done, ignore_errors=True)
     pick = lambda e, keys: {k: e.get(k) for k in ("action", "boundary", "round", "seconds", *keys)}  # noqa: E731
     return {
         "mode": mode, "seconds": seconds, "curve": curve, "steps": curve[-1]["steps"] if curve else 0,

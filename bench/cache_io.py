@@ -1,6 +1,6 @@
 """Activation cache I/O benchmark: throughput vs plain files, bytes/value per codec, lossy error.
 
-    python -m bench.cache_io [--hidden a.npy ... | --synthetic | --states minilm gpt2]
+    python -m bench.cache_io [--synthetic | --states minilm gpt2]
                              [--n 512 --seq 128 --hidden-size 384] [--shard-mb 16 4]
                              [--repeats 5] [--skip-io] [--skip-codecs] [--out results.json]
     python -m bench.cache_io --skip-io --states gpt2 --samples 8 --docs 20 --seq 16  # states
@@ -249,7 +249,7 @@ def hidden_states(model: str, out: Path, *, samples: int, docs: int, seq_len: in
 
 
 def run(a) -> dict:
-    tmp = Path(tempfile.mkdtemp(prefix="cache_io_", dir=a.workdir))
+    tmp = Path(tempfile.mkdtemp(prefix="cache_io_"))
     res: dict = {"io": [], "sources": [], "cpus": os.cpu_count(), "load_before": os.getloadavg()}
     try:
         res["io"] = [io_bench(a.n, a.seq, a.hidden_size, mb, a.repeats, tmp)
@@ -258,8 +258,6 @@ def run(a) -> dict:
             srcs = []
         elif a.synthetic:
             srcs = [("SYNTHETIC smooth stand-in (not real activations)", None)]
-        elif a.hidden:
-            srcs = [(Path(p).stem, Path(p)) for p in a.hidden]
         else:
             srcs = [(STATES[m][1], hidden_states(m, a.states_dir, samples=a.samples, docs=a.docs,
                                                  seq_len=a.seq, boundary=a.boundary))
@@ -347,7 +345,6 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", nargs="+", help=".npy files of hidden states [N, S, H]")
     ap.add_argument("--synthetic", action="store_true", help="codec table on a stand-in")
     ap.add_argument("--states", nargs="+", choices=sorted(STATES), default=list(STATES),
                     help="the real states of these models (default both)")  # fmt: skip
@@ -362,7 +359,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-io", action="store_true")
     ap.add_argument("--skip-codecs", action="store_true")
-    ap.add_argument("--workdir", help="where to write temp caches (default: system temp)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--tiny", action="store_true", help="synthetic, 16 x 8 x 32 values (tests)")
     a = ap.parse_args(argv)

@@ -181,7 +181,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--jobs", type=int, default=1, help="arms run at a time, each its own process")
     ap.add_argument("--resume", action="store_true",
                     help="reuse each record <work>/runs/*.json the same settings made")  # fmt: skip
-    ap.add_argument("--keep", action="store_true", help="keep every run's checkpoint / weights")
     ap.add_argument("--work", default=None, help="keep data, tokens, init and runs here")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
     a = ap.parse_args(argv)
@@ -235,12 +234,12 @@ def main(argv=None) -> dict:
                 "init": prep["bcd_init" if mine else "init"],
                 "initial_loss": prep["bcd_initial_loss" if mine else "initial_loss"],
                 "blocks": prep["blocks"], "eval_batches": sc.eval_batches, "threads": a.threads,
-                "keep": a.keep, "inline": a.inline, "run_dir": str(work / "runs" / name),
+                "inline": a.inline, "run_dir": str(work / "runs" / name),
                 "config": str(FINETUNE), "mode": arm if mine else None,
                 "runner": None if mine else "bench.peers_arms:hf_arm"}  # fmt: skip
         spec["start"] = {"steps": 0, "seconds": 0.0, "loss": spec["initial_loss"]} if mine else None
         # what makes a run's result: a record made by another spec is not reused
-        made_by = {k: v for k, v in spec.items() if k not in ("keep", "run_dir")}
+        made_by = {k: v for k, v in spec.items() if k != "run_dir"}
         record, say = work / "runs" / f"{name}.json", f"  {arm:>13} lr {lr:<7g} seed {seed}:"
         r = json.loads(record.read_text()) if a.resume and record.is_file() else None
         if r and r.get("made_by") == json.loads(json.dumps(made_by)):

@@ -343,8 +343,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
     model.save_pretrained(out, safe_serialization=True)  # the fine-tune's output (LoRA: adapter)
     info["save_seconds"] = time.perf_counter() - t
     seconds = clock.now()
-    if not spec.get("keep"):
-        shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
     return {
         "seconds": seconds, "curve": curve, "steps": step, "trainable_params": trainable,
         "schedule": f"AdamW, warmup {sched.warmup_steps} + cosine to {sched.min_lr_ratio:g}x "

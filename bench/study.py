@@ -101,6 +101,7 @@ PRESETS = {  # preset -> (scale, layouts, Ms)
     "tiny": (TINY, ["gpt2"], [3]),
 }
 BASE_ARMS = {m: Arm(m, [], m) for m in ("bcd", "bcd-recompute")}
+FULL = Arm("full", [], "full")
 SHARED = ("model.", "data.", "partition.", "run.")  # every arm must share these: full is shared
 
 
@@ -172,44 +173,35 @@ def parse_variant(spec: list[str]) -> Arm:
     return Arm(name, list(sets), mode)
 
 
-def _by_seed(sc: Scale, by_lr: dict[float, list[dict]]) -> dict[float, list[dict]]:
-    """Each lr's records in seed order, whatever order they ran in."""
-    return {lr: sorted(recs, key=lambda r: sc.seeds.index(r["seed"])) for lr, recs in by_lr.items()}
-
-
-def run_full(sc: Scale, work: Path, layout: str, M: int, opts: dict, log) -> dict:
-    """Full at every (seed, lr), to its plateau. Returns {lr: [record per seed]}."""
-    runs: dict[float, list[dict]] = {lr: [] for lr in sc.lrs}
-    stop = Stop(patience=sc.patience, min_rel_delta=sc.min_rel_delta, min_steps=sc.min_steps)
-    for i, seed in enumerate(sc.seeds):
-        for lr in h.interleave(list(sc.lrs), i):
-            rec = run_one(sc, work, Arm("full", [], "full"), layout=layout, M=M, seed=seed, lr=lr,
-                          stop=stop, log=log, **opts)  # fmt: skip
-            p = h.plateau(rec["curve"], sc.patience, sc.min_rel_delta, sc.min_steps)
-            rec.update(best=p["best"], plateaued=p["plateaued"], best_ppl=p["best"]["ppl"],
-                       steps_to_best=p["best"]["steps"])  # fmt: skip
-            runs[lr].append(rec)
-    return _by_seed(sc, runs)
-
-
-def run_bcd_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], full: dict,
-                 opts: dict, log) -> dict:  # fmt: skip
-    """Every BCD arm at every (seed, lr) against full's best of that seed.
-    full: {seed: full's record at its best lr}. Returns {arm: {lr: [record per seed]}}."""
+def run_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], opts: dict, log,
+             full: dict | None = None) -> dict:  # fmt: skip
+    """Every arm at every (seed, lr), interleaved per seed, as {arm: {lr: [record per seed]}}.
+    Without `full`: full to its plateau; with it ({seed: full's record at its best lr}): each
+    BCD arm until it reaches that seed's best ppl, or bcd_factor x full's steps to it."""
     runs = {a.name: {lr: [] for lr in sc.lrs} for a in arms}
     jobs = [(a, lr) for lr in sc.lrs for a in arms]  # arms alternate within each lr
     for i, seed in enumerate(sc.seeds):
-        best = full[seed]["best"]
-        stop = Stop(target_ppl=best["ppl"], cap_steps=math.ceil(sc.bcd_factor * best["steps"]))
+        if full is None:
+            stop = Stop(patience=sc.patience, min_rel_delta=sc.min_rel_delta, min_steps=sc.min_steps)  # fmt: skip
+        else:
+            best = full[seed]["best"]
+            stop = Stop(target_ppl=best["ppl"], cap_steps=math.ceil(sc.bcd_factor * best["steps"]))
         for arm, lr in h.interleave(jobs, i):
             rec = run_one(sc, work, arm, layout=layout, M=M, seed=seed, lr=lr, stop=stop, log=log,
                           **opts)  # fmt: skip
-            hit = h.first_reach(rec["curve"], best["ppl"])
-            rec.update(h.multiplier(hit, best), reach_steps=hit["steps"] if hit else None)
-            rec.update(target_ppl=best["ppl"], cap_steps=stop.cap_steps,
-                       best_ppl=min(p["ppl"] for p in rec["curve"]) if rec["curve"] else None)  # fmt: skip
+            if full is None:
+                p = h.plateau(rec["curve"], sc.patience, sc.min_rel_delta, sc.min_steps)
+                rec.update(best=p["best"], plateaued=p["plateaued"], best_ppl=p["best"]["ppl"],
+                           steps_to_best=p["best"]["steps"])  # fmt: skip
+            else:
+                hit = h.first_reach(rec["curve"], best["ppl"])
+                rec.update(h.multiplier(hit, best), reach_steps=hit["steps"] if hit else None,
+                           target_ppl=best["ppl"], cap_steps=stop.cap_steps,
+                           best_ppl=min(p["ppl"] for p in rec["curve"]) if rec["curve"] else None)  # fmt: skip
             runs[arm.name][lr].append(rec)
-    return {name: _by_seed(sc, by_lr) for name, by_lr in runs.items()}
+    # each lr's records in seed order, whatever order they ran in
+    return {name: {lr: sorted(recs, key=lambda r: sc.seeds.index(r["seed"]))
+                   for lr, recs in by_lr.items()} for name, by_lr in runs.items()}  # fmt: skip
 
 
 def analyse(full_runs: dict, bcd_runs: dict) -> dict:
@@ -271,18 +263,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
     ap.add_argument("--val-batches", type=int, default=None,
-                    help="a curve point reads the first N x batch val rows; 0 = the whole val "
-                         "split (default: the preset's)")  # fmt: skip
+                    help="a curve point reads the first N x batch val rows (0: all)")  # fmt: skip
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     preset = "quick" if a.quick else "small" if a.small else "tiny" if a.tiny else "default"
     base, layouts, Ms = PRESETS[preset]
     sc = copy.deepcopy(base)
     sc.seeds, sc.lrs = a.seeds or sc.seeds, a.lrs or sc.lrs
-    if a.val_batches is not None:
-        if a.val_batches < 0:
-            ap.error(f"--val-batches must be >= 0 (0 = the whole val split), got {a.val_batches}")
-        sc.val_batches = a.val_batches
+    if a.val_batches is not None and a.val_batches < 0:
+        ap.error(f"--val-batches must be >= 0 (0 = the whole val split), got {a.val_batches}")
+    sc.val_batches = sc.val_batches if a.val_batches is None else a.val_batches
     layouts, Ms = a.layouts or layouts, a.M or Ms
     try:
         arms = [BASE_ARMS[n] for n in (a.arms if a.arms is not None else BASE_ARMS)]
@@ -303,11 +293,11 @@ def main(argv: list[str] | None = None) -> dict:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     studies = []
     for layout in layouts:
-        full_runs = run_full(sc, work, layout, min(Ms), opts, log)
+        full_runs = run_arms(sc, work, layout, min(Ms), [FULL], opts, log)["full"]
         fsel = h.select_lr(full_runs, "best_ppl", tie="steps_to_best")
         best_full = {r["seed"]: r for r in full_runs[fsel["lr"]]}
         for M in Ms:
-            bcd_runs = run_bcd_arms(sc, work, layout, M, arms, best_full, opts, log)
+            bcd_runs = run_arms(sc, work, layout, M, arms, opts, log, full=best_full)
             studies.append({"layout": layout, "M": M, "analysis": analyse(full_runs, bcd_runs),
                             "full_runs": full_runs, "bcd_runs": bcd_runs})  # fmt: skip
     args = []  # the command line as recorded: --work and --out values (machine paths) left out
@@ -327,13 +317,9 @@ def main(argv: list[str] | None = None) -> dict:
     out = h.publish(res, res["table"], a.out, name)
     if tmp is not None:
         tmp.cleanup()
-    head = {}
-    for s in studies:
-        for name, r in s["analysis"].items():
-            if name != "full":
-                key = f"{s['layout']}.M{s['M']}.{name}"
-                head[f"{key}.bf_multiplier"] = r["bf_multiplier"]["median"]
-                head[f"{key}.time_ratio"] = r["time_ratio"]["median"]
+    head = {f"{s['layout']}.M{s['M']}.{name}.{k}": r[k]["median"] for s in studies
+            for name, r in s["analysis"].items() if name != "full"
+            for k in ("bf_multiplier", "time_ratio")}  # fmt: skip
     return {"headline": head, "results": h.rel(out), "seconds": res["seconds"]}
 
 
