@@ -20,6 +20,7 @@ preinfer.compute_dtype auto picks between on a CPU). --s3: cache.root on a moto 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import statistics
@@ -154,19 +155,14 @@ def run(args) -> dict:
     over = [f"run.dir={work}", f"data.max_documents={args.documents}", "partition.num_blocks=6",
             f"preinfer.micro_batch={args.micro_batch}", f"cache.dtype={args.dtype}",
             "train.epochs=null", "train.eval_batches=0", *args.set]  # fmt: skip
-    server = None
-    if args.s3:
-        server, url = moto_server()
-        over += [f"cache.root=s3://bench/{tag}", f"storage.endpoint_url={url}",
-                 "storage.key=testing", "storage.secret=testing", "storage.region=us-east-1"]  # fmt: skip
-    try:
-        return _run(args, over, tag)
-    finally:
-        if server is not None:
-            server.kill()
+    with moto_server() if args.s3 else contextlib.nullcontext() as url:
+        if url:
+            over += [f"cache.root=s3://bench/{tag}", f"storage.endpoint_url={url}",
+                     "storage.key=testing", "storage.secret=testing", "storage.region=us-east-1"]  # fmt: skip
+        return _run(args, over)
 
 
-def _run(args, over: list[str], tag: str) -> dict:
+def _run(args, over: list[str]) -> dict:
     cfg = load_config(args.config, over)
     store = run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)

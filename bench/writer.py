@@ -24,6 +24,7 @@ rest, as in LM residual streams), so the shuffle + zstd ratio is close to a real
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -90,8 +91,10 @@ def write_once(root: str, hidden: torch.Tensor, codec: dict, shard_mb: float, mb
     return {"wall_s": wall, "cpu_s": cpu, "ratio": manifest["compression_ratio"]}
 
 
-def moto_server() -> tuple[subprocess.Popen, str]:
-    """A moto S3 server in its own process on a free local port, with bucket `bench`."""
+@contextlib.contextmanager
+def moto_server():
+    """The URL of a moto S3 server in its own process on a free local port, with bucket
+    `bench`, while the context lasts."""
     import boto3
 
     with socket.socket() as s:
@@ -102,14 +105,18 @@ def moto_server() -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     client = boto3.client("s3", endpoint_url=url, aws_access_key_id="testing",
                           aws_secret_access_key="testing", region_name="us-east-1")  # fmt: skip
-    for _ in range(100):
-        try:
-            client.create_bucket(Bucket="bench")
-            return proc, url
-        except Exception:  # noqa: BLE001 -- not listening yet
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
+    try:
+        for _ in range(100):
+            try:
+                client.create_bucket(Bucket="bench")
+                break
+            except Exception:  # noqa: BLE001 -- not listening yet
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("moto server did not start")
+        yield url
+    finally:
+        proc.kill()
 
 
 def run(args) -> dict:
@@ -122,31 +129,26 @@ def run(args) -> dict:
                  "cpus": len(os.sched_getaffinity(0)), "load_before": load_average(),
                  "gpu": {"bytes_per_token": GPU_BYTES_PER_TOKEN,
                          "tokens_per_s": list(GPU_TOKENS_PER_S)}, "arms": {}}  # fmt: skip
-    roots, server = {}, None
-    tmp = tempfile.TemporaryDirectory(prefix="writer-bench-", dir=args.dir)
-    if "local" in args.targets:
-        roots["local"] = tmp.name
-    if "s3" in args.targets:
-        server, url = moto_server()
-        fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
-                                   region="us-east-1"))  # fmt: skip
-        roots["s3"] = f"s3://bench/{uuid.uuid4().hex[:8]}"
 
-    def arm(t: str, c: str, n: int):
-        def write() -> dict:
-            set_codec_threads(n)
-            return write_once(roots[t], hidden, CODECS[c], args.shard_mb, args.micro_batch)
+    def write(root: str, c: str, n: int) -> dict:
+        set_codec_threads(n)
+        return write_once(root, hidden, CODECS[c], args.shard_mb, args.micro_batch)
 
-        return write
-
-    try:
-        arms = {(t, c, n): arm(t, c, n) for t in roots for c in args.codecs for n in args.threads}
+    with contextlib.ExitStack() as stack:
+        roots = {}
+        if "local" in args.targets:
+            roots["local"] = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="writer-", dir=args.dir)
+            )
+        if "s3" in args.targets:
+            url = stack.enter_context(moto_server())
+            fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
+                                       region="us-east-1"))  # fmt: skip
+            stack.callback(fs.configure, None)
+            roots["s3"] = f"s3://bench/{uuid.uuid4().hex[:8]}"
+        arms = {(t, c, n): lambda r=r, c=c, n=n: write(r, c, n)
+                for t, r in roots.items() for c in args.codecs for n in args.threads}  # fmt: skip
         raw = interleaved(arms, args.repeats)  # after a warm-up: imports, pools, connections
-    finally:
-        if server is not None:
-            server.kill()
-            fs.configure(None)
-        tmp.cleanup()
     mb = res["bytes"] / 1e6
     for (t, c, n), outs in raw.items():
         wall = [mb / o["wall_s"] for o in outs]
