@@ -3,21 +3,16 @@
     python -m bench.cache_io [--synthetic | --states minilm gpt2]
                              [--n 512 --seq 128 --hidden-size 384] [--shard-mb 16 4]
                              [--repeats 5] [--skip-io] [--skip-codecs] [--out results.json]
-    python -m bench.cache_io --skip-io --states gpt2 --samples 8 --docs 20 --seq 16  # states
+    python -m bench.cache_io --skip-io --states gpt2 --samples 8 --docs 20 --seq 16
 
-I/O (bf16, codec none, random values): the cache (CacheWriter.write_shard for every shard +
-finalize: stats, checksums, markers, renames, manifest; create timed apart) against plain
-files of the same bytes, one a shard, with the same fsync; reads: open_cache + read_rows(0, N)
-against np.fromfile + concatenate. Both sides every repeat, in alternating order; ratios of
-the medians of --repeats (>= 5) and of the best times, and of CPU seconds (all threads: the
-extra work, which other jobs on a shared machine disturb far less than wall time). Always with
-fsync, as a build writes (the bench patches nothing of the library).
-
-Codecs: real hidden states (--states: the pretrained MiniLM-L6 of configs/minilm.yaml and the
-random-init GPT-2 of configs/demo.yaml, entering a middle block, computed once under
---states-dir) through each dtype x codec: bytes per value, ratio vs raw bf16, write/read
-speed, and the error of lossy (and rounding) formats vs the float32 states. --synthetic uses
-a smooth stand-in, and every table says so. Notes: docs/cache_io.md.
+I/O (bf16, codec none): write_shard for every shard + finalize against plain files of the same
+bytes, one a shard, both with fsync as a build writes; open_cache + read_rows against
+np.fromfile. Both sides every repeat, alternating; ratios of the medians and of the best times,
+and of CPU seconds. Codecs: real hidden states (--states: the pretrained MiniLM-L6 of
+configs/minilm.yaml and the random-init GPT-2 of configs/demo.yaml, entering a middle block,
+computed once under --states-dir) through each dtype x codec: bytes per value, write/read
+speed, and the error vs the float32 states. --synthetic: a smooth stand-in, and every table
+says so. Notes: docs/cache_io.md.
 """
 
 from __future__ import annotations

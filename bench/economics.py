@@ -4,16 +4,13 @@
     python -m bench.economics                    # 3 seeds, the layers-heavy model (~1 h, 2 CPUs)
     python -m bench.economics --epochs 1 4 --M 3 6
 
-Arms, from one token store and init checkpoint per seed, each in its own process (study's
-run_one; --inline: this one): full (every parameter, full_cap steps for every M), bcd (the
-rotation with the cache, train.epochs passes over a round's rows), bcd-recompute (the same
-visits, prefix rerun every step). Clocks hold everything the product does, less every
-evaluation. Per arm: whole-val ppl against seconds and FLOPs, time to full's final ppl, the
-cache share of bcd's time, the fixed part of each build, and preinfer.plan.costmodel's predicted
-time beside the measured one; medians over all seeds (harness.spread, "n of N reached").
-H=256, 6 layers, V=2048 so the layers outweigh the LM head (~10% of a full step's FLOPs; at the
-demo's H=128 the head costs more than a layer and BCD cannot save it). docs/economics.md has
-the results; lr-swept studies of one option against another are `bench.study --variant`.
+Arms from one token store and init checkpoint per seed (study's run_one, each in its own
+process): full (full_cap steps, for every M), bcd (train.epochs passes over a round's rows) and
+bcd-recompute (the same visits). Per arm: whole-val ppl against seconds (less every
+evaluation) and FLOPs, time to full's final ppl, bcd's cache share and each build's fixed part,
+preinfer.plan.costmodel's predicted time beside the measured; medians over all seeds. H=256, 6
+layers, V=2048: the layers outweigh the LM head. Results: docs/economics.md; lr-swept studies of
+one option against another are `bench.study --variant`.
 """
 
 from __future__ import annotations

@@ -4,17 +4,13 @@
     .venv/bin/python -m bench.preinfer_throughput --quick --arms throughput actors
     .venv/bin/python -m bench.preinfer_throughput --arms refresh
 
-The bare forward computes exactly what the build computes: `preinfer.model.prefix.forward_prefix`
-(same compute dtype, same rounding at block boundaries) over the build's own input rows, in
-its micro-batches per shard, on the same threads (`pin_threads`). Each arm runs once untimed,
-then the arms alternate --repeats times (A B / B A: harness.interleaved); the ratio is taken
-per repeat (bare seconds / the arm's) and reported as median [min, max] with the load average.
-
-Arms: throughput = bare vs build in process (preinfer.executor=local); actors = the same with
-Ray actors; overlap = build with preinfer.write_queue=0 (each shard compressed after its
-compute) vs the config's queue; refresh = refresh of boundary K from K-1 vs build of K from
-tokens, K = 2, 3; dtype = the bare forward in bf16 vs in fp32 rounded to bf16 per block (what
-preinfer.compute_dtype auto picks between on a CPU). --s3: cache.root on a moto S3 server.
+The bare forward computes what the build computes (forward_prefix over the build's own rows, in
+its micro-batches per shard, on the same threads); arms alternate after one untimed run
+(harness.interleaved), the ratio bare seconds / the arm's taken per repeat (docs/writer.md,
+section 4). Arms: throughput = the build in process; actors = on Ray actors; overlap =
+preinfer.write_queue=0 vs the config's queue; refresh = refresh of boundary K from K-1 vs a
+build of K, K = 2, 3; dtype = the bare forward in bf16 vs fp32 rounded to bf16 per block.
+--s3: cache.root on a moto S3 server.
 """
 
 from __future__ import annotations

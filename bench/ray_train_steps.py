@@ -2,16 +2,11 @@
 
     python -m bench.ray_train_steps [--config configs/demo.yaml] [--repeats 3] [--steps 30]
 
-A cluster job (RAY_ADDRESS set) trains even one worker under Ray Train (`train.workers: 1`);
-outside one, the visit runs in the driver's process. Both arms train the same visit (block 0
-from tokens, then the last block from its cache, the demo's model) from the same checkpoint;
-the Ray Train arm joins a Ray instance this process starts (as a job joins its cluster), with
-one worker given every CPU (`train.cpus_per_worker`, default: the node's CPUs / workers).
-Arms alternate, `--repeats` times; the figure is the visit's own tokens/s (its loop, without
-Ray Train's start-up, which is reported apart as the arm's extra wall-clock), beside the
-steady step time (median past each visit's first two steps, from metrics.jsonl's step clock).
-Target (#15): Ray Train / in process >= 0.9. Run it on an idle machine: on 2 CPUs the Ray
-worker's two torch threads lose far more to other load than the driver's do.
+Both arms train the same visit (block 0 from tokens, then the last block from its cache) from
+the same checkpoint; the Ray Train arm (one worker, every CPU) joins a Ray instance this process
+starts, as a cluster job does (RAY_ADDRESS). Arms alternate; the figure is the visit's own
+tokens/s (Ray Train's start-up reported apart), beside the steady step time from
+metrics.jsonl. Target (#15): Ray Train / in process >= 0.9; run it on an idle machine.
 """
 
 from __future__ import annotations

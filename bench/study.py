@@ -3,21 +3,19 @@ training, each arm's lr swept, best against best (docs/quality.md says what and 
 
     python -m bench.study                 # both layouts, M=3 and 6, 3 seeds, 3 lrs (many hours)
     python -m bench.study --quick         # make bench: LLaMA layout, M=3, one seed (minutes)
-    python -m bench.study --small         # the quick model to its plateau, both layouts, M=3,
+    python -m bench.study --small         # the quick model to its plateau: both layouts, M=3,
                                           # 3 seeds, 3 lrs
     python -m bench.study --tiny          # the slow test's end-to-end run (a minute)
     python -m bench.study --layouts llama --M 3 --variant head train.always_train=[head] \\
         --variant random train.order=random --set train.epochs=0.33
 
-Per layout (gpt2: tied head; llama: untied head, GQA 2:1) and seed, every arm starts from one
-init checkpoint and token store, each in its own process (bench/arms.py; --inline: this one).
-full trains every parameter to its plateau (harness.plateau, or full_cap steps), once per
-(layout, seed, lr), shared by every M; each BCD arm (bcd, bcd-recompute, --variant NAME
-KEY=VALUE...) trains until its whole-val ppl after a visit reaches full's best (best lr, same
-seed), or bcd_factor x full's steps to it. B-F multiplier = BCD steps to full's best ppl /
-full's steps to it; wall-clock ratio likewise in seconds less every evaluation. Every arm's lr
-is swept (harness.select_lr); medians over all seeds (harness.spread, "n of N reached"); arms
-interleaved per seed. Output: a table and bench/results/study[-preset]-<time>.json.
+Per layout (gpt2: tied head; llama: untied, GQA 2:1) and seed, every arm starts from one init
+checkpoint and token store, each in its own process (bench/arms.py; --inline: this one). full
+trains to its plateau (harness.plateau, or full_cap steps), once per (layout, seed, lr); each
+BCD arm until its val ppl after a visit reaches full's best (best lr, same seed), or bcd_factor
+x full's steps to it. B-F multiplier = BCD steps to full's best ppl / full's steps to it; the
+wall-clock ratio likewise in seconds less every evaluation. Every lr is swept
+(harness.select_lr); medians over all seeds (harness.spread, "n of N reached").
 """
 
 from __future__ import annotations

@@ -2,17 +2,10 @@
 
     .venv/bin/python -m bench.tokenize_scale [--sizes 1M,50M] [--seq-len 128] [--long-doc 10M]
 
-Goal (#16 item 16): at 50M tokens, tokens/s >= 0.8x and peak RSS <= 1.2x the 1M figures, i.e.
-tokenize is linear in time and holds a shard, not the corpus.
-
-- Corpus: generated, jsonl files of ~--file-tokens tokens each, one document per line of
-  Zipf-drawn synthetic words (document lengths uniform in [0.2, 1.8] x --doc-tokens).
-- Tokenizer: one byte-level BPE (vocab 4096), trained once on a small sample and passed as
-  data.tokenizer, so every size measures the same work: read, hash, split, encode, pack, write.
-- Each size runs `run_tokenize` in a fresh process (bench/arms.py's in_child); peak RSS is
-  its high-water mark after the imports (PeakMemory; also shown: the growth over that RSS).
-- --long-doc N: the time `pack` takes for one document of N token ids (the old rule deleted
-  from the front of a list: quadratic, ~100 s for 10M).
+Goal (#16 item 16): at 50M tokens, tokens/s >= 0.8x and peak RSS <= 1.2x the 1M figures. The
+corpus: jsonl files of Zipf-drawn synthetic words; one byte-level BPE (vocab 4096) trained once,
+so every size does the same work. Each size runs `run_tokenize` in a fresh process (in_child,
+PeakMemory after the imports). --long-doc N: the seconds `pack` takes for one N-token document.
 """
 
 from __future__ import annotations

@@ -5,23 +5,16 @@
         [--seq 128] [--batch B] [--block 1] [--repeats 5] [--steps 3]
     .venv/bin/python -m bench.trainer_step --quick   # make bench: both, demo-sized, few repeats
 
-For the last block and a middle block of the config's model, in one run on one machine:
-- step time of `bcd` (input batch read from a real boundary-K cache), `bcd-recompute`
-  (prefix forward without grad, then the suffix) and `full` (every parameter), medians of
-  interleaved repeats;
-- the ideal cached/recompute ratio = time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd),
-  from bare forward/backward timings in the same run;
-- peak memory of each arm, each in fresh processes (bench/arms.py's in_child and PeakMemory;
-  median of --mem-repeats): peak RSS growth
-  over the process's baseline once the libraries every arm uses are loaded (`warm_up_runtime`;
-  the headline), and "cold": over the baseline before the arm's own libraries load (model
-  classes, the cache reader's pyarrow/pandas), or torch.cuda.max_memory_allocated on a GPU.
-  Both arms of a ratio use the same loss (train.loss_chunk: the fused chunked LM head + loss).
+For the last and a middle block: the step time of `bcd` (batches from a real boundary-K cache),
+`bcd-recompute` (the prefix without grad, then the suffix) and `full`, interleaved; the ideal
+cached/recompute ratio from bare forward/backward timings; and each arm's peak memory in fresh
+processes (in_child, PeakMemory; median of --mem-repeats): the RSS growth over a baseline with
+every arm's libraries loaded (warm_up_runtime; the headline), and "cold", before the arm's own
+libraries load (on a GPU: max_memory_allocated). Both arms of a ratio use the same loss.
 
 --precision: one block's step (block 0 from token ids, else from a (B, S, H) hidden input as a
-cache gives it) under run.precision=fp32 and =bf16, the same optimizer steps, interleaved after
-a warm-up: median and spread of the per-step seconds, tokens/s, the speed-up, and what
-run.precision=auto resolves to here.
+cache gives it) under run.precision=fp32 and =bf16, interleaved: the speed-up, tokens/s, and
+what run.precision=auto resolves to here.
 """
 
 from __future__ import annotations

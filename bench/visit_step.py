@@ -3,17 +3,12 @@
     .venv/bin/python -m bench.visit_step                       # SmolLM2 (make real-model), block 0 of 3
     .venv/bin/python -m bench.visit_step --batch 8 --seq 128 --repeats 9 --block 1
 
-Both arms train the same parameters of the same weights on the same batch, fp32, on the same
-threads, in one process, interleaved (A B / B A), medians with min..max:
-- `preinfer`: the visit's own step (bench/arms.py's BlockStep in bcd-recompute mode: the model
-  as `Checkpoint.load` builds it, block K's trainable set, preinfer's AdamW; blocks > 0: the
-  frozen prefix first, without grad) with the config's fused chunked loss (train.loss_chunk);
-- `preinfer, unfused loss`: the same with train.loss_chunk=0 (the whole batch's logits);
-- `badam`: the HF model as `from_pretrained` builds it, PyPI `badam`'s BlockOptimizer over
-  AdamW with preinfer's blocks as its block list (bench.peers_arms.layer_prefixes), the peers
-  bench's loss (bench.peers_arms.response_loss), clip and step.
-Each step is split into forward + loss, backward, and clip + optimizer step, which is where a
-gap shows. The arms' first-step losses must agree (same weights, same batch).
+Every arm trains the same parameters of the same weights on the same batches, fp32, in one
+process, interleaved (docs/economics.md, "A visit's step against BAdam's same step"):
+`preinfer` (BlockStep in bcd-recompute mode, the config's fused chunked loss), `preinfer,
+unfused loss` (train.loss_chunk=0) and `badam` (the HF model, PyPI badam's BlockOptimizer over
+preinfer's blocks, the peers bench's loss). Each step is split into forward + loss, backward,
+and clip + optimizer step; the first-step losses must agree.
 """
 
 from __future__ import annotations

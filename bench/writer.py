@@ -1,24 +1,15 @@
-"""The cache writer alone: can it keep up with a GPU's forward?
+"""The cache writer alone: can it keep up with a GPU's forward? (docs/writer.md, section 1)
 
     .venv/bin/python -m bench.writer                  # local disk + S3 (moto), every codec, 1-2 threads
     .venv/bin/python -m bench.writer --quick --targets local
 
-Synthetic bf16 hidden states (N, S, H) go through the real writer path: the copy a worker
-makes of its micro-batch outputs into one shard tensor (torch.cat), then
-`CacheWriter.write_shard` (view as stored bits, chunk compression on cache.codec_threads
-threads, xxh3 checksum and write-aside on the I/O thread, fsync, rename, done marker), then
-`finalize` (every marker checked, the manifest). Per codec x encoder threads x target
-(a local directory; S3 = a moto server in its own process, so this process's CPU time is the
-writer's alone).
-
-Reported per arm, medians of --repeats interleaved runs (spread min..max beside them):
-- MB/s: bf16 input megabytes (1e6) per wall second;
-- MB per core-second: the same bytes over this process's CPU seconds (user + system) during
-  the write: what one core encodes and writes, whatever else the machine runs;
-- cores per GPU: 7B model, H=4096 bf16 = 8,192 bytes per token; 10k-50k tokens/s per GPU
-  = 82-410 MB/s; cores = that rate / MB per core-second.
-The values: N(0, 1) per channel times a log-normal channel scale (a few channels 10-100x the
-rest, as in LM residual streams), so the shuffle + zstd ratio is close to a real cache's.
+Synthetic bf16 hidden states (N, S, H; N(0, 1) per channel times a log-normal channel scale, as
+in LM residual streams) through the real writer path (the worker's torch.cat of its micro-batch
+outputs, write_shard, finalize), per codec x encoder threads x target (a local directory; S3 =
+a moto server in its own process, so this process's CPU time is the writer's alone). Per arm,
+medians of --repeats interleaved runs [min, max]: MB/s (wall), MB per core-second (this
+process's user + system seconds), and the cores a GPU's output needs at that rate (7B, H=4096
+bf16: 8,192 bytes per token; 10k-50k tokens/s = 82-410 MB/s).
 """
 
 from __future__ import annotations
