@@ -244,6 +244,21 @@ def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(lm.lm_head(hidden[keep])[None], labels[keep][None])
 
 
+def hf_step(opt, loss_fn, model) -> tuple[float, list[float]]:
+    """One optimizer step of an HF arm, preinfer's clip on the parameters that got a gradient:
+    its loss, and the seconds of forward + loss, backward, clip + step."""
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    active = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    torch.nn.utils.clip_grad_norm_(active, GRAD_CLIP)
+    opt.step()
+    return loss.item(), [t1 - t0, t2 - t1, time.perf_counter() - t2]
+
+
 def badam(model, lr: float, prefixes: list[list[str]] | None):
     """PyPI badam's BlockOptimizer over AdamW (ADAMW), blocks `prefixes` (None: one a layer),
     ascending. switch_block_every past any run: BAdam 1.4 switches after step (n+1) % every == 0,
@@ -326,11 +341,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
         for x, labels in itertools.islice(batches, per_visit):
             for g in opt.param_groups:  # BAdam copies group 0's lr to its active groups
                 g["lr"] = lr_at(step, sched)
-            opt.zero_grad(set_to_none=True)
-            response_loss(lm, x, labels).backward()
-            active = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(active, GRAD_CLIP)
-            opt.step()
+            hf_step(opt, lambda x=x, labels=labels: response_loss(lm, x, labels), model)
             step += 1
             if switch_every and step % switch_every == 0 and step < total:
                 opt.switch_trainable_params(verbose=0)  # the next block, fresh Adam state

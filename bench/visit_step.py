@@ -17,34 +17,15 @@ import argparse
 import itertools
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from bench.arms import BlockStep
 from bench.harness import ROOT, headline_table, interleaved, load_average, publish, show, spread
-from bench.peers_arms import GRAD_CLIP, INSTALL, REAL_MODEL, badam, layer_prefixes, response_loss
+from bench.peers_arms import INSTALL, REAL_MODEL, badam, hf_step, layer_prefixes, response_loss
 from preinfer.checkpoint.init import init_checkpoint
 from preinfer.run.config import load_config
-
-
-def timed_step(opt, loss_fn, params_fn) -> tuple[float, list[float]]:
-    """One optimizer step: its loss, and the seconds of forward + loss, backward, clip + step."""
-    t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn()
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_(params_fn(), GRAD_CLIP)
-    opt.step()
-    t3 = time.perf_counter()
-    return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
-
-
-def preinfer_step(arm: BlockStep):
-    return lambda x, labels: timed_step(arm.opt, lambda: arm.loss(x, labels), lambda: arm.params)
 
 
 def badam_step(model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: float):
@@ -58,8 +39,7 @@ def badam_step(model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: f
     for _ in range(block):
         opt.switch_trainable_params(verbose=0)
     model.train()
-    return lambda x, labels: timed_step(opt, lambda: response_loss(model, x, labels), lambda: [
-        p for p in model.parameters() if p.requires_grad and p.grad is not None])  # fmt: skip
+    return lambda x, labels: hf_step(opt, lambda: response_loss(model, x, labels), model)
 
 
 def run(args) -> dict:
@@ -72,13 +52,11 @@ def run(args) -> dict:
     cpu = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = init_checkpoint(cfg.model, cfg.partition.num_blocks, Path(tmp) / "checkpoint")
-        steps = {
-            "preinfer": preinfer_step(BlockStep("bcd-recompute", cfg, ckpt, args.block, cpu)),
-            "preinfer, unfused loss": preinfer_step(
-                BlockStep("bcd-recompute", cfg, ckpt, args.block, cpu, chunk=0)
-            ),
-            "badam": badam_step(args.model, ckpt.partition.blocks, args.block, args.lr),
-        }
+        mine = {k: BlockStep("bcd-recompute", cfg, ckpt, args.block, cpu, chunk=c)
+                for k, c in (("preinfer", None), ("preinfer, unfused loss", 0))}  # fmt: skip
+        steps = {k: lambda x, y, a=a: hf_step(a.opt, lambda: a.loss(x, y), a.model)
+                 for k, a in mine.items()}  # fmt: skip
+        steps["badam"] = badam_step(args.model, ckpt.partition.blocks, args.block, args.lr)
     g = torch.Generator().manual_seed(0)
     V = ckpt.vocab_size
     batches = [torch.randint(0, V, (args.batch, args.seq + 1), generator=g) for _ in range(4)]
