@@ -244,6 +244,12 @@ def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(lm.lm_head(hidden[keep])[None], labels[keep][None])
 
 
+def hf_model(model_dir) -> torch.nn.Module:
+    """The HF model as `from_pretrained` builds it, fp32 (every arm's), sdpa attention."""
+    return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                   attn_implementation="sdpa", local_files_only=True)  # fmt: skip
+
+
 def hf_step(opt, loss_fn, model) -> tuple[float, list[float]]:
     """One optimizer step of an HF arm, preinfer's clip on the parameters that got a gradient:
     its loss, and the seconds of forward + loss, backward, clip + step."""
@@ -282,6 +288,16 @@ def layer_prefixes(blocks: list[tuple[int, int]]) -> list[list[str]]:
     return out
 
 
+def badam_step(model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: float):
+    """The HF model with BAdam's BlockOptimizer on preinfer's blocks, block `block` active."""
+    model = hf_model(model_dir)
+    opt = badam(model, lr, layer_prefixes(blocks))
+    for _ in range(block):
+        opt.switch_trainable_params(verbose=0)
+    model.train()
+    return lambda x, labels: hf_step(opt, lambda: response_loss(model, x, labels), model)
+
+
 def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
     """full, badam-layers, badam-blocks or lora over the HF model. Visit (r, k) of the rotation
     reads the batches bcd-recompute reads: VisitPlan.train_rows (the round's sampled rows, the
@@ -297,9 +313,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
     sched = TrainConfig(lr=lr, warmup_steps=cfg.train.warmup_steps, max_steps=total)
     torch.manual_seed(spec["seed"])  # LoRA's A matrices
     clock.restart()
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
-    )
+    model = hf_model(spec["model_dir"])
     lm, switch_every, info = model, 0, {}
     if arm.startswith("badam"):
         if arm == "badam-blocks":  # preinfer's blocks, the rotation's steps per block

@@ -23,23 +23,9 @@ import torch
 
 from bench.arms import BlockStep
 from bench.harness import ROOT, headline_table, interleaved, load_average, publish, show, spread
-from bench.peers_arms import INSTALL, REAL_MODEL, badam, hf_step, layer_prefixes, response_loss
+from bench.peers_arms import INSTALL, REAL_MODEL, badam_step, hf_step
 from preinfer.checkpoint.init import init_checkpoint
 from preinfer.run.config import load_config
-
-
-def badam_step(model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: float):
-    """The HF model with BAdam's BlockOptimizer on preinfer's blocks, block `block` active."""
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
-    )
-    opt = badam(model, lr, layer_prefixes(blocks))
-    for _ in range(block):
-        opt.switch_trainable_params(verbose=0)
-    model.train()
-    return lambda x, labels: hf_step(opt, lambda: response_loss(model, x, labels), model)
 
 
 def run(args) -> dict:
