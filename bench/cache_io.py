@@ -68,22 +68,11 @@ def synthetic_hidden(n: int, s: int, h: int, seed: int = 0) -> np.ndarray:
     return x
 
 
-def _entropy(symbols: np.ndarray, n: int) -> float:
-    """Order-0 entropy of the symbols (of n values), bytes per symbol."""
-    p = np.bincount(symbols, minlength=n) / len(symbols)
+def entropy(symbols: np.ndarray) -> float:
+    """Order-0 entropy of the symbols (uint8 or uint16), bytes per symbol."""
+    p = np.bincount(symbols.reshape(-1)) / symbols.size
     p = p[p > 0]
     return float(-(p * np.log2(p)).sum()) / 8
-
-
-def byte_entropy(x_bf16: torch.Tensor) -> float:
-    """Order-0 entropy of the bf16 bytes (high and low byte separately), bytes per value."""
-    b = x_bf16.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
-    return _entropy(b[:, 0], 256) + _entropy(b[:, 1], 256)
-
-
-def value_entropy(x_bf16: torch.Tensor) -> float:
-    """Order-0 entropy of the 16-bit bf16 values themselves, bytes per value."""
-    return _entropy(x_bf16.view(torch.int16).numpy().view(np.uint16).reshape(-1), 65536)
 
 
 def _create(root, x, dtype, codec, shuffle, level, shard_mb):
@@ -104,11 +93,6 @@ def _plain_write(d: Path, arrays: list[np.ndarray]) -> None:
             f.write(memoryview(a).cast("B"))
             f.flush()
             os.fsync(f.fileno())
-
-
-def _plain_read(d: Path, n_files: int, shape) -> np.ndarray:
-    parts = [np.fromfile(d / f"{i:05d}.bin", dtype=np.uint16) for i in range(n_files)]
-    return np.concatenate(parts).reshape(shape)
 
 
 def io_bench(n, seq, hidden, shard_mb, repeats, tmp: Path) -> dict:
@@ -136,7 +120,8 @@ def io_bench(n, seq, hidden, shard_mb, repeats, tmp: Path) -> dict:
         writes = {"cache_write": lambda: _fill(w, xb),
                   "plain_write": lambda: _plain_write(d / "p", arrays)}  # fmt: skip
         reads = {"cache_read": lambda: open_cache(d / "cache", "fp").read_rows(0, n, None)[0],
-                 "plain_read": lambda: _plain_read(d / "p", shards, bits.shape)}  # fmt: skip
+                 "plain_read": lambda: np.concatenate([np.fromfile(d / "p" / f"{i:05d}.bin",
+                                       np.uint16) for i in range(shards)]).reshape(bits.shape)}  # fmt: skip
         for ops in (writes, reads):  # cache first in even rounds, plain first in odd ones
             for key in list(ops) if r % 2 == 0 else list(ops)[::-1]:
                 ops[key] = measure(key, ops[key])
@@ -182,7 +167,7 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
     the rounding of the float32 states; lossy ones from float32, their error the manifest's."""
     n, s, h = x.shape
     xt = torch.from_numpy(x)
-    xb = xt.to(torch.bfloat16)
+    b = xt.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)  # bytes
     bf16_mb = xt.numel() * 2 / 2**20
     rows = []
     for dtype, codec, shuffle, level in GRID:
@@ -206,8 +191,8 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
                      "error": rounding_error(xt, src) if dtype in LOGICAL else m["error"]})  # fmt: skip
         shutil.rmtree(root)
     return {"name": name, "shape": [n, s, h], "std": float(x.std()),
-            "absmax": float(np.abs(x).max()), "bf16_byte_entropy": byte_entropy(xb),
-            "bf16_value_entropy": value_entropy(xb), "codecs": rows}  # fmt: skip
+            "absmax": float(np.abs(x).max()), "bf16_byte_entropy": entropy(b[..., 0]) + entropy(b[..., 1]),
+            "bf16_value_entropy": entropy(b.view(np.uint16)), "codecs": rows}  # fmt: skip
 
 
 def hidden_states(model: str, out: Path, *, samples: int, docs: int, seq_len: int,

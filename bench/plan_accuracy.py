@@ -39,7 +39,7 @@ from torch.optim.optimizer import (
 )
 
 from bench.arms import PeakMemory, in_child
-from bench.harness import ROOT, quiet, write_results
+from bench.harness import ROOT, headline_table, quiet, write_results
 from pipelines.cache_build import actor_env, create_writers, plan_block, shards_per_task
 from pipelines.init import run_init
 from pipelines.prefix_worker import PrefixWorker
@@ -327,18 +327,16 @@ def suggest(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| config | arm | measured MiB (median) | runs, min..max | estimate MiB | error "
-           "| error range over runs | peak phase (estimate) |",
-           "|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    out = [("config", "arm", "measured MiB (median)", "runs, min..max", "estimate MiB", "error",
+            "error range over runs", "peak phase (estimate)")]  # fmt: skip
     for r in rows:
-        err = (r["estimate"] - r["measured"]) / r["measured"]
         runs = r.get("samples", [r["measured"]])  # rows from before --repeats have one run
         errs = sorted((r["estimate"] - m) / m for m in runs)
-        out.append(f"| {r['config']} | {r['arm']} | {r['measured'] / 2**20:.1f} | {len(runs)}, "
-                   f"{min(runs) / 2**20:.1f}..{max(runs) / 2**20:.1f} | "
-                   f"{r['estimate'] / 2**20:.1f} | {err:+.1%} | {errs[0]:+.1%}..{errs[-1]:+.1%} "
-                   f"| {r['phase']} |")  # fmt: skip
-    return "\n".join(out)
+        out.append((r["config"], r["arm"], f"{r['measured'] / 2**20:.1f}",
+                    f"{len(runs)}, {min(runs) / 2**20:.1f}..{max(runs) / 2**20:.1f}",
+                    f"{r['estimate'] / 2**20:.1f}", f"{r['estimate'] / r['measured'] - 1:+.1%}",
+                    f"{errs[0]:+.1%}..{errs[-1]:+.1%}", r["phase"]))  # fmt: skip
+    return headline_table(out)
 
 
 def main(argv=None) -> dict | None:
