@@ -33,7 +33,7 @@ def training_precision(device: torch.device, precision: str = "auto") -> tuple[s
     """Resolve run.precision for training on `device`: ("bf16" | "fp32", why). auto = bf16
     autocast on CUDA and on CPUs with AMX-BF16 tiles; fp32 elsewhere. A CPU with AVX512-BF16
     but no AMX computes bf16 natively, yet a visit trained no faster under bf16 autocast than
-    in fp32 there (docs/usage.md, bench/train_precision.py: 0.98x and 0.84x), and an AVX2 CPU
+    in fp32 there (docs/usage.md, bench/trainer_step.py --precision: 0.98x and 0.84x), and an AVX2 CPU
     emulates bf16 matmuls ~50x slower than fp32."""
     if precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.precision must be auto, fp32 or bf16, got {precision!r}")
