@@ -83,8 +83,10 @@ QUICK = Scale(batch_size=4, steps_per_visit=4, warmup_steps=1, eval_batches=2, s
               lrs={"bcd": [1e-4], "full": [3e-5], "badam-layers": [1e-4],
                    "badam-blocks": [1e-4], "lora": [1e-3]})  # fmt: skip
 # --model tiny: a random 6-layer LLaMA (H=32) with a BPE trained on the pairs; the test's size
+# (bcd-recompute has no lrs of its own: it runs at bcd's)
 TINY = Scale(pairs=240, seq_len=96, batch_size=4, val_fraction=0.2, steps_per_visit=2,
-             warmup_steps=1, eval_batches=1, seeds=[0], lrs=dict.fromkeys(ARMS[:1] + ARMS[2:], [3e-3]))  # fmt: skip
+             warmup_steps=1, eval_batches=1, seeds=[0],
+             lrs={a: [3e-3] for a in ARMS if a != "bcd-recompute"})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
