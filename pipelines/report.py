@@ -15,7 +15,7 @@ caches; then only the cache events speak for them). Step records repeated after 
 are collapsed: the later record of a (mode, round, block, step) wins. Reads only; no Ray, no torch.
 
 Gathering the data: pipelines/report_data.py; the plots: pipelines/report_plots.py; the markdown
-summary: pipelines/report_summary.py. Their public names are re-exported here.
+summary: pipelines/report_summary.py; `run_report` below drives them.
 """
 
 from __future__ import annotations

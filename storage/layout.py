@@ -1,5 +1,6 @@
 """Names, errors and small helpers of the activation cache layout (storage/cache.py's module
-docstring draws the layout; storage/cache.py re-exports all of this).
+docstring draws the layout; the writer there, the readers and the guards import these from
+here).
 """
 
 from __future__ import annotations

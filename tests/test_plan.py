@@ -462,7 +462,7 @@ def test_planner_prices_bcd_with_our_measured_multipliers():
             continue
         assert any(round(v, 2) == avg for v in vals), (name, avg, vals)
         assert any(round(v, 2) == worst for v in vals), (name, worst, vals)
-    assert step_multipliers("llama", False, 3, False)[:2] == (1.40, 1.68)
+    assert step_multipliers("llama", False, 3, False)[:2] == (1.44, 1.97)
     assert step_multipliers("llama", False, 3, True)[:2] == PAPER_BF
     assert step_multipliers("llama", False, 4, False)[:2] == PAPER_BF
     assert "paper" in step_multipliers("gpt2", False, 5, False)[2]
