@@ -359,7 +359,15 @@ def _plan_boundary(cfg: Config, src: Sources, block: int, round_: int) -> VisitP
             f"--block {block}: a cache exists only for boundaries 1..{M - 1} "
             f"(block 0 trains from tokens; the checkpoint has {M} blocks)"
         )
-    return plan_block(cfg, block, round_, src=src)
+    plan = plan_block(cfg, block, round_, src=src)
+    if plan.adapts_prefix:
+        raise ConfigError(
+            f"--block {block}: block {block}'s visit of round {round_} is its round's last, and "
+            "under train.prefix_adapters=last it runs its prefix from tokens with adapters: it "
+            "reads no cache, so none is made for it. Train it (`preinfer train --block "
+            f"{block}`), or set train.prefix_adapters=none to cache boundary {block}"
+        )
+    return plan
 
 
 def _refuse_refresh(cfg: Config, block: int) -> None:

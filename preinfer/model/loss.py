@@ -161,12 +161,14 @@ def blocks_loss(
 
 
 def mode_loss(
-    adapter, partition, x: torch.Tensor, labels: torch.Tensor, *, mode: str, block: int, chunk: int
-) -> torch.Tensor:
-    """The loss a trainer step of `mode` takes for block `block`. x: ids (B, S) for full and
-    for block 0; else the hidden (B, S, H) entering the block (bcd: read from the cache;
-    bcd-recompute: its caller reran the frozen prefix, preinfer.model.prefix.forward_prefix)."""
-    start = 0 if mode == "full" else block
+    adapter, partition, x: torch.Tensor, labels: torch.Tensor, *, mode: str, block: int,
+    chunk: int, whole: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """The loss a trainer step of `mode` takes for block `block`. x: ids (B, S) for full, for
+    block 0 and with `whole` (a visit that runs its prefix from tokens: train.prefix_adapters);
+    else the hidden (B, S, H) entering the block (bcd: read from the cache; bcd-recompute: its
+    caller reran the frozen prefix, preinfer.model.prefix.forward_prefix)."""
+    start = 0 if mode == "full" or whole else block
     return blocks_loss(adapter, partition, x, labels, start, chunk)
 
 

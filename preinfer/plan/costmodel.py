@@ -31,10 +31,12 @@ class Flops:
         layers = range(self.part.num_layers)
         return 3 * (self._fwd(layers) + 2 * self.sh.head_matrix)
 
-    def bcd(self, k: int) -> float:
-        """Suffix forward + input gradients through it + weight gradients of block k only."""
+    def bcd(self, k: int, whole: bool = False) -> float:
+        """Suffix forward + input gradients through it + weight gradients of block k only
+        (whole: a visit that runs its prefix from tokens, train.prefix_adapters=last: every
+        layer's forward and input gradients)."""
         M, part = self.part.num_blocks, self.part
-        suffix = range(part.blocks[k][0], part.num_layers)
+        suffix = range(0 if whole else part.blocks[k][0], part.num_layers)
         fwd = self._fwd(suffix) + 2 * self.sh.head_matrix
         matrix_tr = (k == M - 1 and not self.sh.tied) or (k == 0 and self.sh.tied)
         wgrad = self._fwd(part.layers(k)) + (2 * self.sh.head_matrix if matrix_tr else 0)

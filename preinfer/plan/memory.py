@@ -197,6 +197,9 @@ class Setup:
     """train.suffix_modules: which linears of those layers get one (all, attn, mlp)."""
     freeze_embed: bool = False
     """train.freeze=[embed]: the embedding (and a tied head matrix) has no grad or state."""
+    prefix_last: bool = False
+    """train.prefix_adapters=last: block M-1's visit (ascending's last) runs from tokens with
+    adapters on every earlier layer too."""
 
 
 # bytes per logit of one chunk of the fused loss (preinfer.model.loss): the fp32 logits that become
@@ -272,7 +275,8 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
     """Peak bytes per card of one visit (mode full or bcd block K), with its breakdown and the
     raw terms (`basis`) the calibration divides by."""
     pr, M, cpu = _bytes(p), part.num_blocks, p.target == "cpu"
-    first = 0 if mode == "full" or block == 0 else part.blocks[block][0]
+    whole = bool(p.prefix_last and p.suffix_rank) and mode != "full" and block == M - 1
+    first = 0 if mode == "full" or block == 0 or whole else part.blocks[block][0]
     # bcd-recompute loads the prefix too and reruns it without grad (nothing saved)
     loaded_blocks = range(M) if first == 0 or mode == "bcd-recompute" else range(block, M)
     active = range(M) if mode == "full" else [block]
@@ -288,12 +292,13 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
     W, G = pr.weight * n_loaded, pr.grad * n_active
     opt = (optimizer_state_bytes(p) + pr.master) * n_active
     _, act, grads = _sweep(sh, layers, trainable, head_tr, matrix_tr, embed_tr, p)
-    # suffix adapters (fp32 A, B + grads + optimizer state) on every layer after block K; each
-    # adapted linear saves its input (for dA) and A x (for dB): (in + r) per token
+    # suffix adapters (fp32 A, B + grads + optimizer state) on every layer after block K (and
+    # before it, `whole`); each adapted linear saves its input (for dA) and A x (for dB):
+    # (in + r) per token
     n_sfx = act_sfx = 0
-    if p.suffix_rank and mode != "full" and block < M - 1:
+    if p.suffix_rank and mode != "full" and (block < M - 1 or whole):
         dims = adapter_linear_dims(sh.arch, sh.hidden, sh.inter, sh.kv_dim, p.suffix_modules)
-        n_layers = part.num_layers - part.blocks[block][1]
+        n_layers = part.num_layers - part.blocks[block][1] + (part.blocks[block][0] if whole else 0)
         n_sfx = n_layers * p.suffix_rank * sum(i + o for i, o in dims)
         act_sfx = n_layers * p.batch * p.seq * sum(i + p.suffix_rank for i, _ in dims) * pr.act
     W, G = W + 4 * n_sfx, G + 4 * n_sfx
@@ -301,7 +306,7 @@ def trainer_memory(sh: ModelShape, part, mode: str, block: int, p: Setup) -> dic
     act, grads = act + act_sfx, grads + 4 * n_sfx
     T = p.batch * p.seq  # eval: logits (a chunk's when fused) + log-softmax, nothing saved
     ev = 2 * (min(p.loss_chunk, T) if p.loss_chunk else T) * sh.vocab * 4
-    from_cache = mode == "bcd" and block > 0
+    from_cache = mode == "bcd" and block > 0 and not whole
     row = p.seq * sh.hidden * p.cache_dtype_bytes  # one sample as the cache stores it
     # train: the shuffle buffer + the shard being read into it; val (in order): one shard
     # buffered + the shard being read; each batch decoded to fp32 (b rows)
@@ -459,4 +464,5 @@ def setup_for(
                  loss_chunk=train.loss_chunk, pipelined=pipelined,
                  suffix_rank=train.suffix_rank,
                  suffix_modules=train.suffix_modules,
-                 freeze_embed="embed" in train.freeze)  # fmt: skip
+                 freeze_embed="embed" in train.freeze,
+                 prefix_last=train.prefix_adapters == "last")  # fmt: skip

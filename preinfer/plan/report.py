@@ -286,13 +286,15 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
 
     out = {"steps_full": steps, "mfu": o.mfu, "price": price,
            "full": full_on(plan["setup"]["card_bytes"], peak, price)}  # fmt: skip
-    times = [step_time(f"bcd {k}", fl.bcd(k), o.cards, peak["train"]) for k in range(M)]
-    pre = None
     frac = cfg.preinfer.sample_fraction
     budget = visit_budget(cfg.train, frac, n_tr, n_val or 0) if n_tr else None
-    # train rows each boundary of round 0 holds: the windows of the visits it serves
-    held = {k: plan_visit(cfg.train, budget, M, 0, k).cache_rows
-            for k in range(1, M)} if budget else {}  # fmt: skip
+    plans = [plan_visit(cfg.train, budget, M, 0, k) for k in range(M)] if budget else []
+    whole = [bool(plans) and plans[k].adapts_prefix for k in range(M)]
+    times = [step_time(f"bcd {k}", fl.bcd(k, whole[k]), o.cards, peak["train"]) for k in range(M)]
+    pre = None
+    # train rows each boundary of round 0 holds: the windows of the visits it serves (none
+    # for a visit that reads tokens: train.prefix_adapters=last)
+    held = {k: plans[k].cache_rows for k in range(1, M) if plans and plans[k].boundary}
     cached = max(held.values()) if held else (budget.rows if budget else None)
     if held and peak["infer"]:  # per round: each boundary refreshed once, in bf16
         pre = sum(fl.preinfer(k) * rows for k, rows in held.items()) * p.seq

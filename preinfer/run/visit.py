@@ -7,7 +7,8 @@ Modes (same data, same schedule, so the three are comparable):
                  the dtype and with the rounding a cache build uses (preinfer.model.prefix).
   full           every parameter trains, from tokens.
 train.suffix_rank (bcd modes): LoRA adapters on blocks K+1..M-1 train alongside block K and are
-merged into them at the commit (preinfer/train/suffix.py).
+merged into them at the commit (preinfer/train/suffix.py); with train.prefix_adapters=last the
+round's last visit adapts blocks 0..K-1 too, running them from tokens.
 Library code: no Ray. `pipelines/train.py` runs it on Ray Train workers (rank, world).
 """
 
@@ -115,11 +116,25 @@ class Visit:
                 f"--block {K} is out of range: the checkpoint has blocks 0..{self.M - 1}"
             )
         self.K = K
-        self.from_cache = spec.mode == "bcd" and K > 0
-        first = 0 if spec.mode == "full" else K
+        self.store = TokenStore(cfg.data.out_dir)
+        # the visit's plan (preinfer.schedule.visit_plan): its place in its round (train.order), its
+        # window of the round's rows, its steps, the boundary it reads; made by the caller, else
+        # (a visit run by hand, a worker rank) here
+        if plan is None:
+            budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, self.store)
+            plan = plan_visit(cfg.train, budget, self.M, spec.round, K, mode=spec.mode)
+        if (plan.block, plan.round, plan.mode) != (K, spec.round, spec.mode):
+            raise ValueError(f"the plan of {plan.mode} round {plan.round} block {plan.block} "
+                             f"is not this visit's ({spec.mode} round {spec.round} block {K})")  # fmt: skip
+        self.plan = plan
+        self.from_cache = plan.boundary is not None
+        # train.prefix_adapters=last, the round's last visit: blocks 0..K-1 run from tokens
+        # with adapters (the whole model, as full's forward), no cache read
+        self.whole = spec.mode == "full" or plan.adapts_prefix
+        first = 0 if self.whole else K
         self.model, self.adapter = self.ckpt.load(range(first, self.M), device=device)
         self.prefix = None  # bcd-recompute: the frozen blocks 0..K-1, computed as a cache is
-        if spec.mode == "bcd-recompute" and K > 0:
+        if spec.mode == "bcd-recompute" and K > 0 and not self.whole:
             choice = compute_dtype(cfg.preinfer.compute_dtype, cfg.cache.dtype, cfg.run.device)
             model, adapter = self.ckpt.load(range(K), device=device)
             self.prefix = (model.to(torch_dtype(choice.compute)).eval(), adapter, choice)
@@ -148,29 +163,19 @@ class Visit:
             self.named[self.M - 1] = self.always
         # train.suffix_rank: adapters on blocks K+1..M-1 (None: off, full, or K = M-1), their
         # A, B the last of the visit's params (own param group; no state kept: merged at commit)
+        # (+ train.prefix_adapters=last, the round's last visit: on blocks 0..K-1 too)
         self.suffix = None
         if spec.mode != "full" and cfg.train.suffix_rank:
             self.suffix = SuffixAdapters.attach(
                 self.adapter, self.part, K, rank=cfg.train.suffix_rank,
                 alpha=cfg.train.suffix_alpha, modules=cfg.train.suffix_modules,
-                seed=(cfg.train.seed, spec.round), device=device,
+                seed=(cfg.train.seed, spec.round), device=device, prefix=plan.adapts_prefix,
             )  # fmt: skip
         self.n_block = len(self.params)  # the block's (+ always-trained) params come first
         self.params += self.suffix.parameters() if self.suffix else []
         for p in self.params:
             p.requires_grad_(True)
         self.model.train(cfg.model.dropout > 0)
-        self.store = TokenStore(cfg.data.out_dir)
-        # the visit's plan (preinfer.schedule.visit_plan): its place in its round (train.order), its
-        # window of the round's rows, its steps; made by the caller, else (a visit run by hand,
-        # a worker rank) here
-        if plan is None:
-            budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, self.store)
-            plan = plan_visit(cfg.train, budget, self.M, spec.round, K, mode=spec.mode)
-        if (plan.block, plan.round, plan.mode) != (K, spec.round, spec.mode):
-            raise ValueError(f"the plan of {plan.mode} round {plan.round} block {plan.block} "
-                             f"is not this visit's ({spec.mode} round {spec.round} block {K})")  # fmt: skip
-        self.plan = plan
         # bcd modes: the round's rows and the visit's steps (rotation.visit_budget); full:
         # every train row, max_steps (the rotation sets it to the whole rotation's steps)
         steps = cfg.train.max_steps if spec.mode == "full" else plan.budget.steps
@@ -211,7 +216,7 @@ class Visit:
                 )
             x = x.float()  # fmt: skip
         return mode_loss(self.adapter, self.part, x, labels, mode=self.spec.mode, block=self.K,
-                         chunk=self.cfg.train.loss_chunk)  # fmt: skip
+                         chunk=self.cfg.train.loss_chunk, whole=self.whole)  # fmt: skip
 
     def _data(self) -> None:
         cfg, spec, plan = self.cfg, self.spec, self.plan

@@ -57,6 +57,9 @@ class VisitPlan:
     """Boundaries below its own that a later visit of the round reads while they stay current."""
     makes: tuple[BoundaryPlan, ...]
     """Boundaries it needs current first, lowest first, its own last (() without sources)."""
+    adapts_prefix: bool = False
+    """The round's last visit under train.prefix_adapters=last (block > 0): adapters on the
+    blocks before its own too, its prefix run from tokens; it reads no boundary."""
 
     @property
     def reads(self) -> BoundaryPlan | None:
@@ -111,13 +114,18 @@ def plan_visit(
     full = mode == "full"
     order = () if full else tuple(round_blocks(train, M, round_))
     q = 0 if full else order.index(block)
-    later = order[q + 1 :]
+    # train.prefix_adapters=last: the round's last visit reads tokens, so the boundaries serve
+    # (and keep for) the visits before it only
+    last_reads_tokens = not full and train.prefix_adapters == "last" and order[-1] > 0
+    adapts_prefix = last_reads_tokens and q == M - 1
+    reading = order[: M - 1] if last_reads_tokens else order
+    later = reading[q + 1 :]
     keeps = tuple(j for i, j in enumerate(later)
                   if 0 < j < block and all(b >= j for b in later[:i]))  # fmt: skip
-    boundary = block if mode == "bcd" and block > 0 else None
+    boundary = block if mode == "bcd" and block > 0 and not adapts_prefix else None
     serves, within = (), None
     if boundary is not None:
-        serves = tuple(boundary_visits(order, boundary, q))
+        serves = tuple(boundary_visits(reading, boundary, q))
         within = cache_window(budget, boundary_rows(budget, serves), q)
     makes: list[BoundaryPlan] = []
     if boundary is not None and sources is not None:
@@ -125,12 +133,13 @@ def plan_visit(
         below = None
         if lowest >= 2:  # what a refresh of the lowest one would read
             below = plan_boundary(sources, budget, round_, lowest - 1,
-                                  boundary_visits(order, lowest - 1, q))  # fmt: skip
+                                  boundary_visits(reading, lowest - 1, q))  # fmt: skip
         for j in range(lowest, boundary + 1):
-            below = plan_boundary(sources, budget, round_, j, boundary_visits(order, j, q), below)
+            below = plan_boundary(sources, budget, round_, j, boundary_visits(reading, j, q), below)
             makes.append(below)
     return VisitPlan(
         round=round_, block=block, mode=mode, order=order, position=q, budget=budget,
         window=visit_window(budget, q), data_seed=visit_data_seed(budget.seed, round_, block),
         boundary=boundary, serves=serves, cache_window=within, keeps=keeps, makes=tuple(makes),
+        adapts_prefix=adapts_prefix,
     )  # fmt: skip

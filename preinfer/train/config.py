@@ -36,6 +36,8 @@ class TrainConfig:
     """LoRA scale numerator: the adapters add alpha / suffix_rank x B A; null = 2 x suffix_rank (scale 2)."""
     suffix_modules: Literal["all", "attn", "mlp"] = "all"
     """Which linears of the suffix blocks' layers get adapters: all; attn = attention's (q/k/v/o; GPT-2 c_attn + c_proj); mlp = the MLP's."""
+    prefix_adapters: Literal["none", "last"] = "none"
+    """bcd modes: last = the last visit of each round (block K > 0) also puts the train.suffix_rank adapters on blocks 0..K-1, so every layer adapts in it; that visit runs its prefix from tokens (no boundary cache is made for it) and merges them at its commit. none = the prefix stays as it is."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """Optimizer of the active block."""
     lr: float | None = None
@@ -113,6 +115,12 @@ class TrainConfig:
             raise ConfigError(f"train.always_train lists a part twice: {self.always_train}")
         if len(set(self.freeze)) != len(self.freeze):
             raise ConfigError(f"train.freeze lists a part twice: {self.freeze}")
+        if self.prefix_adapters != "none" and not self.suffix_rank:
+            raise ConfigError(
+                f"train.prefix_adapters={self.prefix_adapters} puts train.suffix_rank adapters on "
+                "the blocks before the last visit's, but train.suffix_rank is 0: set "
+                "train.suffix_rank > 0 (e.g. 16), or train.prefix_adapters=none"
+            )
         if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
             raise ConfigError(f"train.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
         for name in ("lr", "suffix_lr", "suffix_alpha"):

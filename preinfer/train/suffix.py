@@ -12,7 +12,10 @@ backward as block K. At the visit's end they are merged (W += alpha / r * B @ A,
 and the changed blocks are committed with block K in its one commit: the checkpoint stays a
 plain model. Never the embedding, the LM head (train.always_train) or blocks <= K: the prefix
 every cache of boundary <= K was made from does not change during a visit, and a boundary
-j > K is invalidated by block K's own update anyway.
+j > K is invalidated by block K's own update anyway. The one exception is opt-in:
+train.prefix_adapters=last adapts blocks 0..K-1 too in a round's last visit, which then runs
+its prefix from tokens (it reads no cache) and leaves every boundary of the round stale, as the
+next round's first visits would anyway.
 
 The adapters are forward hooks on the modules (the state dict, its names and the block files
 are untouched while they are attached); `detach` removes them. Model code does no I/O.
@@ -47,15 +50,21 @@ def _part_of_layer(name: str) -> str:
     return "attn" if any("attn" in p or "attention" in p for p in name.split(".")) else "mlp"
 
 
+def adapted_blocks(part: Partition, block: int, prefix: bool = False) -> list[int]:
+    """The blocks a visit of `block` adapts: block+1..M-1, and with `prefix` 0..block-1 too."""
+    return [b for b in range(part.num_blocks) if b > block or (prefix and b < block)]
+
+
 def suffix_linears(
-    adapter: Adapter, part: Partition, block: int, modules: str = "all"
+    adapter: Adapter, part: Partition, block: int, modules: str = "all", prefix: bool = False
 ) -> list[tuple[str, nn.Module]]:
     """(state-dict name of the module, module) of every selected linear layer (nn.Linear or
-    GPT-2's Conv1D) in the layers of blocks block+1..M-1, in layer order."""
+    GPT-2's Conv1D) in the layers of blocks block+1..M-1 (with `prefix`: of every block but
+    `block`), in layer order."""
     if modules not in MODULES:
         raise ValueError(f"suffix modules must be one of {MODULES}, got {modules!r}")
     layers, out = adapter.layer_modules(), []
-    for b in range(block + 1, part.num_blocks):
+    for b in adapted_blocks(part, block, prefix):
         for i in part.layers(b):
             for name, m in layers[i].named_modules():
                 if not (isinstance(m, nn.Linear) or _is_conv1d(m)):
@@ -82,9 +91,9 @@ def _seed(*values: int) -> int:
 class SuffixAdapters:
     """The LoRA adapters of one visit, attached as forward hooks (attach, merge, detach)."""
 
-    def __init__(self, blocks: list[int], rank: int, scale: float, modules: str):
-        self.blocks = blocks  # the blocks whose weights a merge changes: K+1..M-1
-        self.rank, self.scale, self.modules = rank, scale, modules
+    def __init__(self, blocks: list[int], rank: int, scale: float, modules: str, prefix: bool):
+        self.blocks = blocks  # the blocks whose weights a merge changes: K+1..M-1 (+ 0..K-1)
+        self.rank, self.scale, self.modules, self.prefix = rank, scale, modules, prefix
         # (module name, module, A (r, in), B (out, r), hook handle)
         self.entries: list[tuple[str, nn.Module, nn.Parameter, nn.Parameter, object]] = []
 
@@ -100,16 +109,23 @@ class SuffixAdapters:
         modules: str = "all",
         seed: tuple[int, ...] = (),
         device: torch.device | str = "cpu",
+        prefix: bool = False,
     ) -> SuffixAdapters | None:
-        """Adapters on the selected linears of blocks block+1..M-1 (None: rank 0, or no such
-        linear, e.g. block M-1). alpha None = 2 x rank. A's init draws from its own generator,
-        seeded by (seed, block, the module's index): every DDP rank and a rerun draw the same,
-        and the global RNG (dropout's) is left alone."""
+        """Adapters on the selected linears of blocks block+1..M-1, with `prefix` (a round's
+        last visit, train.prefix_adapters=last) of blocks 0..block-1 too (None: rank 0, or no
+        such linear, e.g. block M-1 without prefix). alpha None = 2 x rank. A's init draws from
+        its own generator, seeded by (seed, block, the module's index among the suffix's, then
+        the prefix's): every DDP rank and a rerun draw the same, and the global RNG (dropout's)
+        is left alone."""
         linears = suffix_linears(adapter, part, block, modules) if rank > 0 else []
+        if prefix and rank > 0:  # after the suffix's: their indices (and draws) stay as without
+            linears += [e for e in suffix_linears(adapter, part, block, modules, prefix=True)
+                        if e not in linears]  # fmt: skip
         if not linears:
             return None
         alpha = 2.0 * rank if alpha is None else float(alpha)
-        self = cls(list(range(block + 1, part.num_blocks)), rank, alpha / rank, modules)
+        blocks = adapted_blocks(part, block, prefix)
+        self = cls(blocks, rank, alpha / rank, modules, prefix)
         for j, (name, m) in enumerate(linears):
             n_in, n_out = _dims(m)
             g = torch.Generator().manual_seed(_seed(*seed, block, j))
@@ -171,7 +187,13 @@ def adapter_linear_dims(arch: str, hidden: int, inter: int, kv_dim: int,
 
 def suffix_spec(suffix: SuffixAdapters | None) -> dict:
     """What a visit's mid-block state records of its adapters (a resume must have the same)."""
-    return {"rank": suffix.rank, "modules": suffix.modules} if suffix else {"rank": 0}
+    if suffix is None:
+        return {"rank": 0}
+    return {
+        "rank": suffix.rank,
+        "modules": suffix.modules,
+        **({"prefix": True} if suffix.prefix else {}),
+    }
 
 
 def resume_mismatch(state: dict, suffix: SuffixAdapters | None) -> str | None:
@@ -180,8 +202,13 @@ def resume_mismatch(state: dict, suffix: SuffixAdapters | None) -> str | None:
     was, now = state.get("suffix") or {"rank": 0}, suffix_spec(suffix)
     if was == now:
         return None
+
+    def said(spec: dict) -> str:
+        return (f"{spec['rank']} (suffix_modules={spec.get('modules', 'all')}, prefix_adapters="
+                f"{'last' if spec.get('prefix') else 'none'})")  # fmt: skip
+
     return (
-        f"with train.suffix_rank={was['rank']} (suffix_modules={was.get('modules', 'all')}), "
-        f"but the visit now runs with {now['rank']} ({now.get('modules', 'all')}): rerun with "
-        "the settings it started with to resume it, or delete the file to start the visit over"
+        f"with train.suffix_rank={said(was)}, but the visit now runs with {said(now)}: rerun "
+        "with the settings it started with to resume it, or delete the file to start the visit "
+        "over"
     )
