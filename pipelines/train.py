@@ -161,6 +161,8 @@ def run_train(
     if plan is None:
         plan = plan_block(cfg, block, round_, mode=mode, src=open_sources(cfg, ckpt, store))
         _require_caches(plan)
+    if plan.adapts_prefix:  # train.prefix_adapters=last: this visit loads blocks 0..K-1 too
+        ckpt.check_files(range(block))
     spec = visit_spec(plan)
     if memory_check:
         check_memory(cfg, ckpt, plan.budget, store.seq_len, mode=mode,

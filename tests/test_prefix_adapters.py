@@ -141,3 +141,23 @@ def test_no_cache_is_built_for_the_last_visit(tiny_run):
     with pytest.raises(ConfigError, match="train.prefix_adapters=none to cache boundary 2"):
         build_cache(cfg, 2, log=quiet_log)
     assert build_cache(cfg, 1, log=quiet_log)["fingerprints"]
+
+
+def test_the_planner_and_the_disk_check_follow_the_order(tiny_run):
+    """Only an ascending round is planned with block M-1 from tokens; with M = 2 that leaves no
+    boundary to build, so the rotation's disk check asks for none."""
+    from preinfer.plan.guards import DiskSpaceError, check_disk_for_rotation
+
+    cfg = tiny_run(*FAST, *SUFFIX, *LAST)
+    sh = model_shape(cfg.model)
+    for order, planned in (("ascending", True), ("descending", False), ("random", False)):
+        train = dataclasses.replace(cfg.train, order=order)
+        setup = setup_for(sh, train, cfg.cache, cfg.preinfer, target="cpu", seq=cfg.data.seq_len,
+                          token_rows=cfg.data.shard_rows, run_precision=cfg.run.precision)  # fmt: skip
+        assert setup.prefix_last is planned, order
+    budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, TokenStore(cfg.data.out_dir))
+    kw = dict(hidden=sh.hidden, seq=cfg.data.seq_len, free_bytes=1)  # 1 byte free: any need fails
+    assert check_disk_for_rotation(cfg.cache, cfg.train, budget, M=2, **kw) is None
+    off = dataclasses.replace(cfg.train, prefix_adapters="none")
+    with pytest.raises(DiskSpaceError):
+        check_disk_for_rotation(cfg.cache, off, budget, M=2, **kw)

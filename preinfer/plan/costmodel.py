@@ -59,16 +59,26 @@ def run_flops(
     tokens_per_step: int,
     cached_rows: int = 0,
     val_rows: int = 0,
+    whole: frozenset[int] = frozenset(),
 ) -> dict:
     """Predicted FLOPs of a run: `visits` = [(block, steps)] in order (full: [(0, steps)]);
     bcd: each block-0 visit starts a round, whose rows (train + val) are pre-inferred through
-    blocks 0..M-2 once. Returns the total and the pre-inference part."""
+    blocks 0..M-2 once. `whole`: blocks whose visits run from tokens and read no boundary
+    (ascending with train.prefix_adapters=last: {M-1}). Returns the total and the
+    pre-inference part."""
     S = fl.seq
     train = pre = 0.0
     for k, steps in visits:
-        per = {"full": fl.full(), "bcd": fl.bcd(k), "bcd-recompute": fl.bcd(k) + fl.prefix(k)}
+        bcd = fl.bcd(k, k in whole)
+        per = {
+            "full": fl.full(),
+            "bcd": bcd,
+            "bcd-recompute": bcd + (0 if k in whole else fl.prefix(k)),
+        }
         train += steps * tokens_per_step * per[mode]
-        if mode == "bcd" and k > 0:  # boundary k made current before block k's visit
+        if (
+            mode == "bcd" and k > 0 and k not in whole
+        ):  # boundary k made current before block k's visit
             pre += fl.preinfer(k) * (cached_rows + val_rows) * S
     return {"total": train + pre, "train": train, "preinfer": pre}
 

@@ -94,13 +94,15 @@ def check_disk_for_rotation(
     at cache.root: two boundaries at once (a refresh's source and its target), or all M-1 with
     cache.keep or train.order descending (a round keeps every boundary until its block trains)
     or random (it may keep any a later visit of its round reads). Conservative on a resumed
-    rotation: caches already on disk are not credited. Returns the figures; None for M < 2
-    (no boundary, no cache)."""
-    if M < 2:
+    rotation: caches already on disk are not credited. Returns the figures; None where no
+    boundary is built (M < 2; M = 2 ascending with train.prefix_adapters=last)."""
+    # ascending with train.prefix_adapters=last: block M-1's visit reads tokens, no boundary M-1
+    built = M - 1 - (train.prefix_adapters == "last" and train.order == "ascending")
+    if built < 1:
         return None
     per = cache_bytes(cache, budget, hidden=hidden, seq=seq)
     every = cache.keep or train.order in ("descending", "random")
-    count = M - 1 if every else min(2, M - 1)
+    count = built if every else min(2, built)
     what = f"the bcd rotation ({count} boundaries at once)"
     return _check_free(cache, per, count * per["expected"], what, hidden, seq, free_bytes)
 

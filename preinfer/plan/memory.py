@@ -198,8 +198,9 @@ class Setup:
     freeze_embed: bool = False
     """train.freeze=[embed]: the embedding (and a tied head matrix) has no grad or state."""
     prefix_last: bool = False
-    """train.prefix_adapters=last: block M-1's visit (ascending's last) runs from tokens with
-    adapters on every earlier layer too."""
+    """train.prefix_adapters=last with train.order=ascending: block M-1's visit (the round's
+    last) runs from tokens with adapters on every earlier layer too. (descending ends on block
+    0: nothing changes; random: not modelled, each visit is planned from its cache.)"""
 
 
 # bytes per logit of one chunk of the fused loss (preinfer.model.loss): the fp32 logits that become
@@ -465,4 +466,4 @@ def setup_for(
                  suffix_rank=train.suffix_rank,
                  suffix_modules=train.suffix_modules,
                  freeze_embed="embed" in train.freeze,
-                 prefix_last=train.prefix_adapters == "last")  # fmt: skip
+                 prefix_last=train.prefix_adapters == "last" and train.order == "ascending")  # fmt: skip

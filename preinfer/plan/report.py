@@ -295,7 +295,9 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
     # train rows each boundary of round 0 holds: the windows of the visits it serves (none
     # for a visit that reads tokens: train.prefix_adapters=last)
     held = {k: plans[k].cache_rows for k in range(1, M) if plans and plans[k].boundary}
-    cached = max(held.values()) if held else (budget.rows if budget else None)
+    # none held: M = 1, or M = 2 with the lever (block 1's visit reads tokens: nothing cached)
+    lever = any(p.adapts_prefix for p in plans)
+    cached = max(held.values()) if held else (0 if lever else budget.rows if budget else None)
     if held and peak["infer"]:  # per round: each boundary refreshed once, in bf16
         pre = sum(fl.preinfer(k) * rows for k, rows in held.items()) * p.seq
         pre /= o.cards * peak["infer"] * o.mfu
