@@ -76,9 +76,8 @@ def run_flops(
             "bcd-recompute": bcd + (0 if k in whole else fl.prefix(k)),
         }
         train += steps * tokens_per_step * per[mode]
-        if (
-            mode == "bcd" and k > 0 and k not in whole
-        ):  # boundary k made current before block k's visit
+        # boundary k made current before block k's visit (none for a visit from tokens)
+        if mode == "bcd" and k > 0 and k not in whole:
             pre += fl.preinfer(k) * (cached_rows + val_rows) * S
     return {"total": train + pre, "train": train, "preinfer": pre}
 

@@ -97,7 +97,7 @@ def check_disk_for_rotation(
     rotation: caches already on disk are not credited. Returns the figures; None where no
     boundary is built (M < 2; M = 2 ascending with train.prefix_adapters=last)."""
     # ascending with train.prefix_adapters=last: block M-1's visit reads tokens, no boundary M-1
-    built = M - 1 - (train.prefix_adapters == "last" and train.order == "ascending")
+    built = M - 1 - train.last_block_from_tokens
     if built < 1:
         return None
     per = cache_bytes(cache, budget, hidden=hidden, seq=seq)

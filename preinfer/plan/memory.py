@@ -466,4 +466,4 @@ def setup_for(
                  suffix_rank=train.suffix_rank,
                  suffix_modules=train.suffix_modules,
                  freeze_embed="embed" in train.freeze,
-                 prefix_last=train.prefix_adapters == "last" and train.order == "ascending")  # fmt: skip
+                 prefix_last=train.last_block_from_tokens)  # fmt: skip

@@ -289,15 +289,14 @@ def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
     frac = cfg.preinfer.sample_fraction
     budget = visit_budget(cfg.train, frac, n_tr, n_val or 0) if n_tr else None
     plans = [plan_visit(cfg.train, budget, M, 0, k) for k in range(M)] if budget else []
-    whole = [bool(plans) and plans[k].adapts_prefix for k in range(M)]
+    whole = [q.adapts_prefix for q in plans] or [False] * M
     times = [step_time(f"bcd {k}", fl.bcd(k, whole[k]), o.cards, peak["train"]) for k in range(M)]
     pre = None
     # train rows each boundary of round 0 holds: the windows of the visits it serves (none
     # for a visit that reads tokens: train.prefix_adapters=last)
-    held = {k: plans[k].cache_rows for k in range(1, M) if plans and plans[k].boundary}
+    held = {q.block: q.cache_rows for q in plans if q.boundary is not None}
     # none held: M = 1, or M = 2 with the lever (block 1's visit reads tokens: nothing cached)
-    lever = any(p.adapts_prefix for p in plans)
-    cached = max(held.values()) if held else (0 if lever else budget.rows if budget else None)
+    cached = max(held.values()) if held else (0 if any(whole) else budget.rows if budget else None)
     if held and peak["infer"]:  # per round: each boundary refreshed once, in bf16
         pre = sum(fl.preinfer(k) * rows for k, rows in held.items()) * p.seq
         pre /= o.cards * peak["infer"] * o.mfu

@@ -145,6 +145,13 @@ class TrainConfig:
                 f"train.batch_size ({self.batch_size}) must be divisible by train.workers ({self.workers})"
             )
 
+    @property
+    def last_block_from_tokens(self) -> bool:
+        """Block M-1's visit, the last of every round, reads tokens and no boundary is made for
+        it: train.prefix_adapters=last in ascending order (preinfer.schedule.visit_plan decides
+        per visit, for every order)."""
+        return self.prefix_adapters == "last" and self.order == "ascending"
+
     def resolved_optim(self) -> dict:
         """lr, momentum, weight decay and betas with the paper's defaults filled in."""
         lr, mom, wd = PAPER_DEFAULTS[self.optimizer]

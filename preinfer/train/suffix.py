@@ -51,16 +51,17 @@ def _part_of_layer(name: str) -> str:
 
 
 def adapted_blocks(part: Partition, block: int, prefix: bool = False) -> list[int]:
-    """The blocks a visit of `block` adapts: block+1..M-1, and with `prefix` 0..block-1 too."""
-    return [b for b in range(part.num_blocks) if b > block or (prefix and b < block)]
+    """The blocks a visit of `block` adapts: block+1..M-1, and with `prefix` then 0..block-1 (the
+    suffix first: its adapters' indices, and so their seeds, are those of a visit without)."""
+    return [*range(block + 1, part.num_blocks), *(range(block) if prefix else ())]
 
 
 def suffix_linears(
     adapter: Adapter, part: Partition, block: int, modules: str = "all", prefix: bool = False
 ) -> list[tuple[str, nn.Module]]:
     """(state-dict name of the module, module) of every selected linear layer (nn.Linear or
-    GPT-2's Conv1D) in the layers of blocks block+1..M-1 (with `prefix`: of every block but
-    `block`), in layer order."""
+    GPT-2's Conv1D) in the layers of blocks block+1..M-1, then (with `prefix`) of blocks
+    0..block-1, each in layer order."""
     if modules not in MODULES:
         raise ValueError(f"suffix modules must be one of {MODULES}, got {modules!r}")
     layers, out = adapter.layer_modules(), []
@@ -117,10 +118,7 @@ class SuffixAdapters:
         its own generator, seeded by (seed, block, the module's index among the suffix's, then
         the prefix's): every DDP rank and a rerun draw the same, and the global RNG (dropout's)
         is left alone."""
-        linears = suffix_linears(adapter, part, block, modules) if rank > 0 else []
-        if prefix and rank > 0:  # after the suffix's: their indices (and draws) stay as without
-            linears += [e for e in suffix_linears(adapter, part, block, modules, prefix=True)
-                        if e not in linears]  # fmt: skip
+        linears = suffix_linears(adapter, part, block, modules, prefix) if rank > 0 else []
         if not linears:
             return None
         alpha = 2.0 * rank if alpha is None else float(alpha)
