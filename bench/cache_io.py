@@ -1,18 +1,17 @@
 """Activation cache I/O benchmark: throughput vs plain files, bytes/value per codec, lossy error.
 
-    python -m bench.cache_io [--synthetic | --states minilm gpt2]
-                             [--n 512 --seq 128 --hidden-size 384] [--shard-mb 16 4]
-                             [--repeats 5] [--skip-io] [--skip-codecs] [--out results.json]
+    python -m bench.cache_io [--states minilm gpt2] [--seq 128] [--repeats 5]
+                             [--skip-io] [--skip-codecs] [--out results.json]
     python -m bench.cache_io --skip-io --states gpt2 --samples 8 --docs 20 --seq 16
 
-I/O (bf16, codec none): write_shard for every shard + finalize against plain files of the same
-bytes, one a shard, both with fsync as a build writes; open_cache + read_rows against
-np.fromfile. Both sides every repeat, alternating; ratios of the medians and of the best times,
-and of CPU seconds. Codecs: real hidden states (--states: the pretrained MiniLM-L6 of
-configs/minilm.yaml and the random-init GPT-2 of configs/demo.yaml, entering a middle block,
-computed once under --states-dir) through each dtype x codec: bytes per value, write/read
-speed, and the error vs the float32 states. --synthetic: a smooth stand-in, and every table
-says so. Notes: docs/cache_io.md.
+I/O (bf16, codec none, 512 x S x 384 values, 16 and 4 MiB shards): write_shard for every shard
++ finalize against plain files of the same bytes, one a shard, both with fsync as a build
+writes; open_cache + read_rows against np.fromfile. Both sides every repeat, alternating;
+ratios of the medians and of the best times, and of CPU seconds. Codecs: real hidden states
+(the pretrained MiniLM-L6 of configs/minilm.yaml and the random-init GPT-2 of
+configs/demo.yaml, entering their middle block, computed once under --states-dir) through each
+dtype x codec: bytes per value, write/read speed, and the error vs the float32 states.
+--tiny: bench.writer's synthetic stand-in, and its table says so. Notes: docs/cache_io.md.
 """
 
 from __future__ import annotations
@@ -22,22 +21,20 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.harness import ROOT, headline_table, quiet, write_results
-from bench.writer import new_cache
-from pipelines.init import run_init
-from pipelines.tokenize import run_tokenize
+from bench.arms import prepare
+from bench.harness import ROOT, headline_table, load_average, write_results
+from bench.writer import fill, new_cache, synthetic, timed
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.adapters import forward_blocks
-from preinfer.run.config import load_config
 from storage.atomic import write_file, write_json
 from storage.config import CacheConfig
 from storage.reader import open_cache
+from storage.stats import combine_stats, shard_stats
 
 DEFAULT = (lambda d: (d.dtype, d.codec, d.shuffle, d.level))(CacheConfig())
 GRID = [  # (dtype, codec, shuffle, level)
@@ -54,36 +51,11 @@ STATES = {"minilm": ("configs/minilm.yaml", "MiniLM-L6 (pretrained)"),  # its ow
           "gpt2": ("configs/demo.yaml", "GPT-2 demo (random init)")}  # fmt: skip
 
 
-def synthetic_hidden(n: int, s: int, h: int, seed: int = 0) -> np.ndarray:
-    """Smooth stand-in for LM hidden states [n, s, h] float32 (NOT real activations)."""
-    g = np.random.default_rng(seed)
-    rank = 16
-    z = g.standard_normal((n, s, rank)).astype(np.float32)
-    for t in range(1, s):  # AR(1) along the sequence: neighbouring tokens are similar
-        z[:, t] = 0.9 * z[:, t - 1] + 0.44 * z[:, t]
-    x = z @ g.standard_normal((rank, h)).astype(np.float32) / 4
-    x += 0.3 * g.standard_normal((n, s, h)).astype(np.float32)
-    x *= np.exp(0.5 * g.standard_normal(h)).astype(np.float32)  # per-channel scale
-    x[:, :, g.choice(h, 2, replace=False)] *= 20  # outlier channels, as in real LMs
-    return x
-
-
 def entropy(symbols: np.ndarray) -> float:
     """Order-0 entropy of the symbols (uint8 or uint16), bytes per symbol."""
     p = np.bincount(symbols.reshape(-1)) / symbols.size
     p = p[p > 0]
     return float(-(p * np.log2(p)).sum()) / 8
-
-
-def _create(root, x, dtype, codec, shuffle, level, shard_mb):
-    cfg = CacheConfig(dtype=dtype, codec=codec, shuffle=shuffle, level=level, shard_mb=shard_mb)
-    return new_cache(root, "fp", *x.shape, cfg)
-
-
-def _fill(w, x):
-    for i in range(w.num_shards):
-        w.write_shard(i, x[slice(*w.shard_range(i))])
-    return w.finalize()
 
 
 def _plain_write(d: Path, arrays: list[np.ndarray]) -> None:
@@ -100,24 +72,20 @@ def io_bench(n, seq, hidden, shard_mb, repeats, tmp: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     xb = (torch.randn(n, seq, hidden, generator=g) * 3).to(torch.bfloat16)
     bits = xb.view(torch.int16).numpy().view(np.uint16)
-    keys = ("create", "cache_write", "plain_write", "cache_read", "cache_read_values",
-            "cache_read_nocheck", "plain_read")  # fmt: skip
-    t: dict[str, list[float]] = {k: [] for k in keys}  # wall seconds
-    cpu: dict[str, list[float]] = {k: [] for k in keys}  # CPU seconds of the same calls
+    secs: dict[str, list] = {}  # (wall, CPU) seconds of each call, per op
+    cfg = {"dtype": "bf16", "codec": "none", "shuffle": "none", "shard_mb": shard_mb}
 
     def measure(key, f):
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = f()
-        t[key].append(time.perf_counter() - t0)
-        cpu[key].append(time.process_time() - c0)
+        out, *seconds = timed(f)
+        secs.setdefault(key, []).append(seconds)
         return out
 
     def one_round(r: int) -> int:
         d = tmp / f"io{r}"
-        w = measure("create", lambda: _create(d / "cache", xb, "bf16", "none", "none", 3, shard_mb))
+        w = measure("create", lambda: new_cache(d / "cache", "fp", xb.shape, **cfg))
         shards = w.num_shards
         arrays = [bits[slice(*w.shard_range(i))] for i in range(shards)]
-        writes = {"cache_write": lambda: _fill(w, xb),
+        writes = {"cache_write": lambda: fill(w, xb),
                   "plain_write": lambda: _plain_write(d / "p", arrays)}  # fmt: skip
         reads = {"cache_read": lambda: open_cache(d / "cache", "fp").read_rows(0, n, None)[0],
                  "plain_read": lambda: np.concatenate([np.fromfile(d / "p" / f"{i:05d}.bin",
@@ -134,8 +102,9 @@ def io_bench(n, seq, hidden, shard_mb, repeats, tmp: Path) -> dict:
         return shards
 
     shards = [one_round(r) for r in range(repeats)][0]
+    t = {k: [wall for wall, _ in v] for k, v in secs.items()}
     med = {k: statistics.median(v) for k, v in t.items()}
-    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    cpu_med = {k: statistics.median(c for _, c in v) for k, v in secs.items()}
     mb = xb.numel() * 2 / 2**20
     return {
         "cpu_seconds_median": cpu_med, "fsync": True, "shard_mb": shard_mb, "MiB": mb,
@@ -154,11 +123,7 @@ def io_bench(n, seq, hidden, shard_mb, repeats, tmp: Path) -> dict:
 
 def rounding_error(x: torch.Tensor, y: torch.Tensor) -> dict | None:
     """Error of y (x rounded to a 16-bit float) vs x, in the manifest's terms."""
-    if y.dtype == x.dtype:
-        return None
-    e = (y.double() - x.double()).abs()
-    return {"max_abs_err": float(e.max()), "mean_abs_err": float(e.mean()),
-            "rel_err": float(e.norm() / x.double().norm())}  # fmt: skip
+    return None if y.dtype == x.dtype else combine_stats([shard_stats(y, x)])[1]
 
 
 def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
@@ -171,23 +136,18 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
     bf16_mb = xt.numel() * 2 / 2**20
     rows = []
     for dtype, codec, shuffle, level in GRID:
+        cfg = {"dtype": dtype, "codec": codec, "shuffle": shuffle, "level": level}
         src = xt.to(LOGICAL[dtype]) if dtype in LOGICAL else xt
         root = tmp / f"c_{dtype}_{codec}_{shuffle}_{level}"
-        w = _create(root, src, dtype, codec, shuffle, level, shard_mb)
-        t0 = time.perf_counter()
-        m = _fill(w, src)
-        dt_w = time.perf_counter() - t0
+        w = new_cache(root, "fp", src.shape, shard_mb=shard_mb, **cfg)
+        m, dt_w, _ = timed(lambda w=w, src=src: fill(w, src))
         c = open_cache(root, "fp")
-        reads = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            got = c.read_rows(0, n, None)[0]
-            reads.append(time.perf_counter() - t0)
+        reads = [timed(lambda c=c: c.read_rows(0, n, None)[0]) for _ in range(3)]
         if dtype in LOGICAL:
-            assert torch.equal(got, src)
-        rows.append({"dtype": dtype, "codec": codec, "shuffle": shuffle, "level": level,
-                     "bytes_per_value": m["bytes_per_value"], "ratio_vs_bf16": m["ratio_vs_bf16"],
-                     "write_MBps": bf16_mb / dt_w, "read_MBps": bf16_mb / statistics.median(reads),
+            assert torch.equal(reads[-1][0], src)
+        rows.append({**cfg, "bytes_per_value": m["bytes_per_value"],
+                     "ratio_vs_bf16": m["ratio_vs_bf16"], "write_MBps": bf16_mb / dt_w,
+                     "read_MBps": bf16_mb / statistics.median(r[1] for r in reads),
                      "error": rounding_error(xt, src) if dtype in LOGICAL else m["error"]})  # fmt: skip
         shutil.rmtree(root)
     return {"name": name, "shape": [n, s, h], "std": float(x.std()),
@@ -195,25 +155,19 @@ def codec_bench(name: str, x: np.ndarray, shard_mb: float, tmp: Path) -> dict:
             "bf16_value_entropy": entropy(b.view(np.uint16)), "codecs": rows}  # fmt: skip
 
 
-def hidden_states(model: str, out: Path, *, samples: int, docs: int, seq_len: int,
-                  boundary: int | None = None) -> Path:  # fmt: skip
-    """The .npy of `model`'s float32 hidden states (N, S, H) entering block `boundary` (default
-    ceil(M / 2)), computed once under `out` by the project's own tokenize and init stages on
-    the built-in corpus (N below `samples` when the corpus is short); a .json beside it."""
-    tag = f"{model}_d{docs}_s{seq_len}_n{samples}_k{'mid' if boundary is None else boundary}"
-    path = Path(out) / f"{tag}.npy"
+def hidden_states(model: str, out: Path, *, samples: int, docs: int, seq_len: int) -> Path:
+    """The .npy of `model`'s float32 hidden states (N, S, H) entering block ceil(M / 2),
+    computed once under `out` by the project's own tokenize and init stages on the built-in
+    corpus (N below `samples` when the corpus is short); a .json beside it."""
+    path = Path(out) / f"{model}_d{docs}_s{seq_len}_n{samples}_kmid.npy"
     if path.exists():
         return path
-    over = [f"run.dir={Path(out) / f'run_{model}_d{docs}_s{seq_len}'}",
-            f"data.max_documents={docs}", f"data.seq_len={seq_len}"]  # fmt: skip
-    cfg = load_config(ROOT / STATES[model][0], over)
-    store = run_tokenize(cfg, log=quiet)
-    run_init(cfg, log=quiet)
+    run = Path(out) / f"run_{model}_d{docs}_s{seq_len}"
+    over = [f"run.dir={run}", f"data.max_documents={docs}", f"data.seq_len={seq_len}"]
+    cfg, store = prepare(ROOT / STATES[model][0], over, run / "checkpoint")
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     m = ckpt.num_blocks
-    k = (m + 1) // 2 if boundary is None else boundary
-    if not 1 <= k < m:
-        raise SystemExit(f"--boundary must be in 1..{m - 1} (the model has {m} blocks)")
+    k = (m + 1) // 2
     n = min(samples, store.num_samples("train"))
     net, adapter = ckpt.load(range(k))
     ids = torch.from_numpy(store.read("train", 0, n)[:, :seq_len].astype(np.int64))
@@ -229,26 +183,27 @@ def hidden_states(model: str, out: Path, *, samples: int, docs: int, seq_len: in
 
 
 def run(a) -> dict:
+    n, hidden = (16, 32) if a.tiny else (512, 384)  # I/O rows, hidden size
     tmp = Path(tempfile.mkdtemp(prefix="cache_io_"))
-    res: dict = {"io": [], "sources": [], "cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    res: dict = {"io": [], "sources": [], "cpus": os.cpu_count(), "load_before": load_average()}
     try:
-        res["io"] = [io_bench(a.n, a.seq, a.hidden_size, mb, a.repeats, tmp)
-                     for mb in a.shard_mb if not a.skip_io]  # fmt: skip
+        if not a.skip_io:
+            res["io"] = [io_bench(n, a.seq, hidden, mb, a.repeats, tmp) for mb in a.shard_mb]
         if a.skip_codecs:
             srcs = []
-        elif a.synthetic:
-            srcs = [("SYNTHETIC smooth stand-in (not real activations)", None)]
+        elif a.tiny:
+            srcs = [("SYNTHETIC stand-in (not real activations)", None)]
         else:
             srcs = [(STATES[m][1], hidden_states(m, a.states_dir, samples=a.samples, docs=a.docs,
-                                                 seq_len=a.seq, boundary=a.boundary))
+                                                 seq_len=a.seq))
                     for m in a.states]  # fmt: skip
         for name, path in srcs:
-            x = synthetic_hidden(256, a.seq, a.hidden_size) if path is None else np.load(path)
+            x = np.load(path) if path else synthetic(256, a.seq, hidden, torch.float32).numpy()
             res["sources"].append({**codec_bench(name, x.astype(np.float32), 16.0, tmp),
                                    "path": str(path)})  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    res["repeats"], res["load_after"] = a.repeats, os.getloadavg()
+    res["repeats"], res["load_after"] = a.repeats, load_average()
     head = {}
     for r in res["io"]:
         head[f"read ratio ({r['shard_mb']:g} MiB shards)"] = r["read_ratio"]
@@ -269,9 +224,8 @@ def _f(v, fmt=".3g"):
 
 
 def markdown(res: dict) -> str:
-    load = lambda k: "/".join(f"{v:.1f}" for v in res[k])  # noqa: E731
-    lines = [f"Machine: {res['cpus']} CPUs; load average (1/5/15 min) {load('load_before')} "
-             f"before, {load('load_after')} after (other work on the machine skews wall-clock "
+    lines = [f"Machine: {res['cpus']} CPUs; load average (1/5/15 min) {res['load_before']} "
+             f"before, {res['load_after']} after (other work on the machine skews wall-clock "
              "figures).", ""]  # fmt: skip
     if res["io"]:
         rows = [("shard MiB (shards)", "op", "cache MB/s", "plain MB/s", "ratio (median)",
@@ -325,16 +279,12 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--synthetic", action="store_true", help="codec table on a stand-in")
     ap.add_argument("--states", nargs="+", choices=sorted(STATES), default=list(STATES),
                     help="the real states of these models (default both)")  # fmt: skip
     ap.add_argument("--samples", type=int, default=256, help="states per model (default data)")
     ap.add_argument("--docs", type=int, default=40, help="documents the states are computed on")
-    ap.add_argument("--boundary", type=int, help="the states entering this block (default: mid)")
     ap.add_argument("--states-dir", type=Path, default=Path("/tmp/preinfer_hidden"))
-    ap.add_argument("--n", type=int, default=512, help="I/O rows")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--hidden-size", type=int, default=384)
     ap.add_argument("--shard-mb", type=float, nargs="+", default=[16.0, 4.0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-io", action="store_true")
@@ -345,7 +295,7 @@ def main(argv=None) -> dict:
     if a.repeats < 5:
         ap.error("--repeats must be >= 5 (medians)")
     if a.tiny:
-        a.synthetic, a.n, a.seq, a.hidden_size, a.shard_mb = True, 16, 8, 32, [0.01]
+        a.seq, a.shard_mb = 8, [0.01]
     res = run(a)
     print(markdown(res))
     if a.out:

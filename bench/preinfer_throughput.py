@@ -7,7 +7,7 @@
 The bare forward computes what the build computes (forward_prefix over the build's own rows, in
 its micro-batches per shard, on the same threads); arms alternate after one untimed run
 (harness.interleaved), the ratio bare seconds / the arm's taken per repeat (docs/writer.md,
-section 4). Arms: throughput = the build in process; actors = on Ray actors; overlap =
+section 4). Arms: throughput = the build in process; actors = on 2 Ray actors; overlap =
 preinfer.write_queue=0 vs the config's queue; refresh = refresh of boundary K from K-1 vs a
 build of K, K = 2, 3; dtype = the bare forward in bf16 vs fp32 rounded to bf16 per block.
 --s3: cache.root on a moto S3 server.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import os
 import statistics
@@ -28,8 +29,8 @@ import numpy as np
 import torch
 
 from bench.harness import headline_table, interleaved, load_average, publish, quiet, show, spread
-from bench.writer import moto_server
-from pipelines.cache_build import build_cache, create_writers, plan_block, refresh_cache
+from bench.writer import moto_server, timed
+from pipelines.cache_build import PHASES, build_cache, create_writers, plan_block, refresh_cache
 from pipelines.init import run_init
 from pipelines.ray_env import ensure_ray
 from pipelines.tokenize import run_tokenize
@@ -43,29 +44,27 @@ from storage.layout import remove_cache
 
 
 def build_inputs(cfg, block: int) -> list[list[torch.Tensor]]:
-    """The build's micro-batches of token ids (n <= micro_batch, S) long, per shard, in its
-    order: per cache (train, val), per shard, the shard's rows cut every micro_batch rows."""
-    mb = cfg.preinfer.micro_batch
+    """The build's micro-batches of token ids (n <= micro_batch, S), per shard of each cache
+    (train, val) in its order."""
     out = []
     for p in create_writers(cfg, block):  # creates the writers (samples.parquet): the build's rows
         w = CacheWriter.open(cfg.cache.root, p.fingerprint)
         for s in range(w.num_shards):
             ids = torch.from_numpy(np.array(w.read_input_ids(*w.shard_range(s)))).long()
-            out.append(list(ids.split(mb)))
+            out.append(list(ids.split(cfg.preinfer.micro_batch)))
     return out
 
 
 class BareForward:
-    """Blocks [first, block) of the checkpoint over given shards' micro-batches, as a worker
-    runs them (PrefixWorker._compute): each micro-batch's output kept until its shard's are
-    joined into one (n, S, H) tensor. Keeping them matters on a CPU: freed at once, glibc
-    hands the heap top back to the OS and the next micro-batch page-faults it in again (a
-    bare forward that dropped its outputs used 1.6x the CPU seconds of the build)."""
+    """Blocks [first, block) over shards' micro-batches as PrefixWorker._compute runs them:
+    each output kept until its shard's are joined (freed at once, glibc hands the heap top back
+    and the next micro-batch page-faults it in again: 1.6x the build's CPU seconds)."""
 
-    def __init__(self, cfg, block: int, first: int = 0):
+    def __init__(self, cfg, block: int, first: int = 0, round_to: str | None = None):
         choice = compute_choice(cfg.preinfer, cfg.cache, cfg.run.device)
         self.dtype = torch_dtype(choice.compute)
-        self.round_to = torch_dtype(choice.round_to) if choice.round_to else None
+        round_to = round_to or choice.round_to
+        self.round_to = torch_dtype(round_to) if round_to else None
         ckpt = Checkpoint.open(cfg.run.checkpoint)
         self.part, self.first, self.block = ckpt.partition, first, block
         self.device = resolve_device(cfg.run.device)
@@ -73,27 +72,18 @@ class BareForward:
         self.model.to(self.dtype).eval()
 
     @torch.inference_mode()
+    def outputs(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each micro-batch's output, its input to the device and back as a worker moves them."""
+        return [forward_prefix(self.adapter, self.part, x.to(self.device), self.first,
+                               self.block, dtype=self.dtype, round_to=self.round_to).cpu()
+                for x in batches]  # fmt: skip
+
     def __call__(self, shards: list[list[torch.Tensor]]) -> float:
-        """Seconds of the forward of every micro-batch, input to the device and output back
-        to the host as a worker moves them (a no-op on a CPU)."""
+        """Seconds of the forward of every shard, its outputs joined."""
         t0 = time.perf_counter()
         for batches in shards:
-            torch.cat([forward_prefix(self.adapter, self.part, x.to(self.device), self.first,
-                                      self.block, dtype=self.dtype,
-                                      round_to=self.round_to).cpu() for x in batches])  # fmt: skip
+            torch.cat(self.outputs(batches))
         return time.perf_counter() - t0
-
-
-def refresh_inputs(cfg, block: int, shards: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """The hidden entering block-1 for each micro-batch (what a refresh of `block` reads)."""
-    f = BareForward(cfg, block - 1)
-    with torch.inference_mode():
-        return [[forward_prefix(f.adapter, f.part, x, 0, block - 1, dtype=f.dtype,
-                                round_to=torch_dtype(cfg.cache.dtype)) for x in b]
-                for b in shards]  # fmt: skip
-
-
-PHASES = ("read_s", "compute_s", "write_s")  # pipelines.cache_build.PHASES
 
 
 def timed_build(cfg, block: int, fn=build_cache, phases: list | None = None) -> float:
@@ -122,19 +112,12 @@ def with_threads(n: int, fn):
 
 def paired(bare_fn, build_fns: dict, repeats: int) -> dict:
     """harness.interleaved over the bare forward and the arms; per-round ratios bare seconds /
-    arm seconds, by wall clock and by this process's CPU seconds (user + system of every
-    thread: less moved by what else the machine runs; Ray actors' CPU is not in it)."""
-
-    def cpu_timed(fn):
-        def timed():
-            c0 = time.process_time()
-            return fn(), time.process_time() - c0
-
-        return timed
-
-    got = interleaved({k: cpu_timed(f) for k, f in {"bare": bare_fn, **build_fns}.items()}, repeats)
+    arm seconds, by wall clock and by this process's CPU seconds (less moved by what else the
+    machine runs; Ray actors' CPU is not in it)."""
+    fns = {"bare": bare_fn, **build_fns}
+    got = interleaved({k: functools.partial(timed, f) for k, f in fns.items()}, repeats)
     out = {}
-    for i, (key, ratio) in enumerate((("seconds", "ratio"), ("cpu_seconds", "cpu_ratio"))):
+    for i, key, ratio in ((0, "seconds", "ratio"), (2, "cpu_seconds", "cpu_ratio")):
         xs = {k: [v[i] for v in vs] for k, vs in got.items()}
         out[key] = {k: spread(v) for k, v in xs.items()}
         out[ratio] = {k: spread([b / a for b, a in zip(xs["bare"], xs[k], strict=True)])
@@ -142,45 +125,39 @@ def paired(bare_fn, build_fns: dict, repeats: int) -> dict:
     return out
 
 
-def run(args) -> dict:
+def run(args, s3_url: str | None = None) -> dict:
     tag = f"docs{args.documents}"  # one token set (and checkpoint) per workload
     if args.set:
         tag += "-" + hashlib.sha256(" ".join(args.set).encode()).hexdigest()[:8]
-    work = Path(args.work) / tag
     # train.epochs=null: every row cached, as the bare forward computes every row
-    over = [f"run.dir={work}", f"data.max_documents={args.documents}", "partition.num_blocks=6",
-            f"preinfer.micro_batch={args.micro_batch}", f"cache.dtype={args.dtype}",
-            "train.epochs=null", "train.eval_batches=0", *args.set]  # fmt: skip
-    with moto_server() if args.s3 else contextlib.nullcontext() as url:
-        if url:
-            over += [f"cache.root=s3://bench/{tag}", f"storage.endpoint_url={url}",
-                     "storage.key=testing", "storage.secret=testing", "storage.region=us-east-1"]  # fmt: skip
-        return _run(args, over)
-
-
-def _run(args, over: list[str]) -> dict:
+    over = [f"run.dir={Path(args.work) / tag}", f"data.max_documents={args.documents}",
+            "partition.num_blocks=6", f"preinfer.micro_batch={args.micro_batch}",
+            "cache.dtype=bf16", "train.epochs=null", "train.eval_batches=0", *args.set]  # fmt: skip
+    if s3_url:
+        over += [f"cache.root=s3://bench/{tag}", f"storage.endpoint_url={s3_url}",
+                 "storage.key=testing", "storage.secret=testing", "storage.region=us-east-1"]  # fmt: skip
     cfg = load_config(args.config, over)
     store = run_tokenize(cfg, log=quiet)
     run_init(cfg, log=quiet)
     ntok = (store.num_samples("train") + store.num_samples("val")) * store.seq_len
-    threads = pin_threads()  # as PrefixWorker pins them
     K = args.block
-    res: dict = {"bench": "preinfer_throughput", "tokens": ntok, "dtype": args.dtype,
-                 "compute": compute_choice(cfg.preinfer, cfg.cache, cfg.run.device).compute, "set": args.set, "threads": threads,
+    res: dict = {"bench": "preinfer_throughput", "tokens": ntok, "dtype": cfg.cache.dtype,
+                 "compute": compute_choice(cfg.preinfer, cfg.cache, cfg.run.device).compute,
+                 "set": args.set, "threads": pin_threads(),  # as PrefixWorker pins them
                  "block": K, "micro_batch": args.micro_batch, "repeats": args.repeats,
-                 "documents": args.documents, "s3": args.s3, "codec": cfg.cache.codec,
+                 "documents": args.documents, "s3": bool(s3_url), "codec": cfg.cache.codec,
                  "codec_threads": cfg.cache.codec_threads, "load_before": load_average(),
                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                  "arms": {}}  # fmt: skip
     batches = build_inputs(cfg, K)
     assert sum(x.shape[0] * x.shape[1] for b in batches for x in b) == ntok, "bare != build rows"
-    bare = BareForward(cfg, K)
+    bare = functools.partial(BareForward(cfg, K), batches)
     local = load_config(args.config, [*over, "preinfer.executor=local"])
     if "throughput" in args.arms:
         fns = {"in process": lambda: timed_build(local, K)}
         for n in args.bare_threads:  # the bare forward on other thread counts, for contrast
-            fns[f"bare, {n} thread(s)"] = lambda n=n: with_threads(n, lambda: bare(batches))
-        res["arms"]["throughput"] = paired(lambda: bare(batches), fns, args.repeats)
+            fns[f"bare, {n} thread(s)"] = functools.partial(with_threads, n, bare)
+        res["arms"]["throughput"] = paired(bare, fns, args.repeats)
     if "dtype" in args.arms:  # the forward in bf16 against fp32 rounded to bf16 per block
         f32 = BareForward(load_config(args.config, [*over, "preinfer.compute_dtype=fp32"]), K)
         b16 = BareForward(load_config(args.config, [*over, "preinfer.compute_dtype=bf16"]), K)
@@ -189,34 +166,31 @@ def _run(args, over: list[str]) -> dict:
     if "overlap" in args.arms:
         q0 = load_config(args.config, [*over, "preinfer.executor=local", "preinfer.write_queue=0"])
         res["arms"]["overlap"] = paired(
-            lambda: bare(batches),
+            bare,
             {"write_queue=0": lambda: timed_build(q0, K),
              f"write_queue={local.preinfer.write_queue}": lambda: timed_build(local, K)},
             args.repeats,
         )  # fmt: skip
     if "actors" in args.arms:
         ensure_ray()  # excluded from every timing
-        fns, ph = {}, {}
-        for n in args.actors:
-            c = load_config(args.config, [*over, "preinfer.executor=ray", f"preinfer.actors={n}"])
-            ph[n] = []
-            fns[f"{n} actor(s)"] = lambda c=c, p=ph[n]: timed_build(c, K, phases=p)
-        res["arms"]["actors"] = paired(lambda: bare(batches), fns, args.repeats)
+        ray = load_config(args.config, [*over, "preinfer.executor=ray", "preinfer.actors=2"])
+        ph = []
+        fns = {"2 actor(s)": lambda: timed_build(ray, K, phases=ph)}
+        res["arms"]["actors"] = paired(bare, fns, args.repeats)
         # where an actor build's seconds go: start-up (spawn, imports, weights) before its
         # first shard, the workers' summed phases, and the rest (plan, finalize)
-        res["arms"]["actors"]["phases"] = {n: p[1:] for n, p in ph.items()}  # after warm-up
+        res["arms"]["actors"]["phases"] = {2: ph[1:]}  # after warm-up
     for k in (2, 3) if "refresh" in args.arms else ():
         if not plan_block(local, k - 1).reads.complete:
             build_cache(local, k - 1, log=quiet)  # the refresh's source stays
         bk = build_inputs(local, k)
-        one = BareForward(local, k, first=k - 1)
-        hid = refresh_inputs(local, k, bk)
-        full = BareForward(local, k)
+        src = BareForward(local, k - 1, round_to=local.cache.dtype)  # what a refresh reads
+        one = functools.partial(BareForward(local, k, first=k - 1), [src.outputs(b) for b in bk])
         bp, rp = [], []  # the build's and the refresh's phases
-        r = paired(lambda full=full, bk=bk: full(bk),
+        r = paired(functools.partial(BareForward(local, k), bk),
                    {"build": lambda k=k, bp=bp: timed_build(local, k, phases=bp),
                     "refresh": lambda k=k, rp=rp: timed_build(local, k, refresh_cache, rp),
-                    "bare refresh": lambda one=one, hid=hid: one(hid)}, args.repeats)  # fmt: skip
+                    "bare refresh": one}, args.repeats)  # fmt: skip
         r["phases"] = {"build": bp, "refresh": rp}
         r["refresh_over_build"] = statistics.median(
             a / b for a, b in zip(r["seconds"]["refresh"]["values"],
@@ -252,26 +226,13 @@ def table(res: dict) -> str:
             + "\n\n" + headline_table(rows))  # fmt: skip
 
 
-def ensure_omp_wait(policy: str, argv: list[str]) -> None:
-    """Run this bench under OMP_WAIT_POLICY=policy (libgomp reads it once, at start: the
-    process is started again with it set when it differs). With libgomp's default (spin), a
-    bare forward's 2 OpenMP threads spin at every barrier; the build has more threads than
-    CPUs, where libgomp throttles the spin, so on a busy machine the same forward cost the
-    bare arm 2x the CPU seconds of the build (docs/writer.md). passive: neither spins."""
-    if policy != "default" and os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
-        env = {**os.environ, "OMP_WAIT_POLICY": policy.upper()}
-        os.execve(sys.executable, [sys.executable, "-m", "bench.preinfer_throughput", *argv], env)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/demo.yaml")
     ap.add_argument("--documents", type=int, default=600)
     ap.add_argument("--block", type=int, default=3)
-    ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--micro-batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--actors", type=int, nargs="+", default=[2])
     ap.add_argument("--work", default="/tmp/preinfer-bench-throughput")
     ap.add_argument("--out", default=None, help="JSON path; default bench/results/<name>-<time>")
     ap.add_argument("--quick", action="store_true", help="20 documents (make bench)")
@@ -285,10 +246,17 @@ def main(argv=None) -> dict:
                     help="OMP_WAIT_POLICY of the bench process (default: libgomp's own)")  # fmt: skip
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    ensure_omp_wait(args.omp_wait, argv)
+    # libgomp reads OMP_WAIT_POLICY once, at start: the process restarts with it set. Under its
+    # default (spin) the bare forward's threads spin at every barrier while the build, with
+    # more threads than CPUs, throttles: 2x the build's CPU seconds on a busy machine.
+    policy = args.omp_wait
+    if policy != "default" and os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
+        env = {**os.environ, "OMP_WAIT_POLICY": policy.upper()}
+        os.execve(sys.executable, [sys.executable, "-m", "bench.preinfer_throughput", *argv], env)
     if args.quick:
         args.documents = min(args.documents, 20)
-    res = run(args)
+    with moto_server() if args.s3 else contextlib.nullcontext() as url:
+        res = run(args, url)
     publish(res, table(res), args.out, "preinfer_throughput")
     return res
 

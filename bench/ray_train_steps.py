@@ -3,10 +3,10 @@
     python -m bench.ray_train_steps [--config configs/demo.yaml] [--repeats 3] [--steps 30]
 
 Both arms train the same visit (block 0 from tokens, then the last block from its cache) from
-the same checkpoint; the Ray Train arm (one worker, every CPU) joins a Ray instance this process
-starts, as a cluster job does (RAY_ADDRESS). Arms alternate; the figure is the visit's own
-tokens/s (Ray Train's start-up reported apart), beside the steady step time from
-metrics.jsonl. Target (#15): Ray Train / in process >= 0.9; run it on an idle machine.
+the same checkpoint, alternating; the Ray Train arm (one worker, every CPU) joins a Ray instance
+this process starts, as a cluster job does (RAY_ADDRESS). The figure is the visit's tokens/s
+(Ray Train's start-up reported apart) beside the steady step time from metrics.jsonl.
+Target (#15): Ray Train / in process >= 0.9; run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -21,17 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.arms import prepare
 from bench.harness import headline_table, load_average, publish, quiet
 from pipelines.cache_build import build_cache
-from pipelines.init import run_init
-from pipelines.tokenize import run_tokenize
 from pipelines.train import run_train
-from preinfer.run.config import load_config
 
 
 def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float, float]:
-    """(visit tokens/s, its median step seconds past the first two, wall-clock of the whole
-    run_train call). Step times come from the step records' clock in metrics.jsonl."""
+    """(tokens/s, median step seconds past the first two by metrics.jsonl's clock, wall-clock
+    seconds of the whole run_train call)."""
     metrics = Path(cfg.run.dir) / "metrics.jsonl"
     seen = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     if ray_address:
@@ -61,35 +59,29 @@ def main(argv=None) -> dict:
         a.repeats, a.steps = (1, 4) if a.tiny else (2, 10)
     import ray
 
-    work = Path(tempfile.mkdtemp(prefix="ray-train-steps-"))
     load0 = load_average()
-    try:
-        over = [f"run.dir={work}", f"train.max_steps={a.steps}", "train.eval_every=0",
+    with tempfile.TemporaryDirectory(prefix="ray-train-steps-", ignore_cleanup_errors=True) as tmp:
+        over = [f"run.dir={tmp}", f"train.max_steps={a.steps}", "train.eval_every=0",
                 "train.eval_batches=1", "train.checkpoint_every=0", "train.workers=1",
                 "train.epochs=null", "data.max_documents=120", "run.device=cpu"]  # fmt: skip
-        cfg = load_config(a.config, over)
-        run_tokenize(cfg, log=quiet)
-        last = run_init(cfg, log=quiet).num_blocks - 1
+        cfg, _ = prepare(a.config, over, Path(tmp) / "checkpoint")
+        last = cfg.partition.num_blocks - 1
         build_cache(cfg, last, 0, log=quiet)  # the last block's input
-        pristine = work / "checkpoint-0"
+        pristine = Path(tmp) / "checkpoint-0"
         shutil.copytree(cfg.run.checkpoint, pristine)
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)  # fmt: skip
         address = ray.get_runtime_context().gcs_address
-        keys = ("in process", "ray train", "step in", "step ray", "wall in", "wall ray")
-        rows = {b: {k: [] for k in keys} for b in (0, last)}
-        for _, b, (arm, addr) in itertools.product(range(a.repeats), (0, last),
-                                                   (("in", None), ("ray", address))):  # fmt: skip
-            tps, step, wall = _visit(cfg, b, addr)
-            for k, v in (("in process" if addr is None else "ray train", tps),
-                         (f"step {arm}", step), (f"wall {arm}", wall)):  # fmt: skip
-                rows[b][k].append(v)
+        rows: dict[int, dict[str, list]] = {0: {}, last: {}}
+        for _, b, addr in itertools.product(range(a.repeats), (0, last), (None, address)):
+            arm = "ray" if addr else "in"
+            keys = ("ray train" if addr else "in process", f"step {arm}", f"wall {arm}")
+            for k, v in zip(keys, _visit(cfg, b, addr), strict=True):
+                rows[b].setdefault(k, []).append(v)
             # each visit from the same weights: block 0's commit would make the cache stale
             shutil.rmtree(cfg.run.checkpoint)
             shutil.copytree(pristine, cfg.run.checkpoint)
         ray.shutdown()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     res = {"config": a.config, "steps": a.steps, "repeats": a.repeats, "cpus": os.cpu_count(),
            "load_start": load0, "load_end": load_average(), "blocks": {}}  # fmt: skip
     table = [("block (input)", "in process tok/s", "Ray Train tok/s", "Ray Train / in process",

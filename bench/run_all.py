@@ -1,24 +1,22 @@
 """`make bench`: run every benchmark module in bench/, collect the results, write a table.
 
     python -m bench.run_all                    # every benchmark (its --quick form where it has one)
-    python -m bench.run_all --only cache_io trainer_step
-    python -m bench.run_all --skip study --timeout 1800
+    python -m bench.run_all --only cache_io trainer_step --timeout 1800
 
-A benchmark is a module of the bench package with a top-level `main(argv)` that returns a dict.
-Each runs in a fresh subprocess from the repo root (one benchmark's memory, threads or Ray
-instance never touch another's), with `--quick` when its source declares that flag. The dicts
-go to bench/results/<timestamp>.json and a markdown table bench/results/<timestamp>.md; a
+A benchmark is a module of the bench package with a top-level `def main(argv)` returning a dict.
+Each runs in a fresh subprocess from the repo root, with `--quick` where its source declares
+that flag. The dicts go to bench/results/<timestamp>.json and a markdown table beside it; a
 benchmark that fails, times out or returns no dict is recorded as such, and the others run.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -27,26 +25,21 @@ from pathlib import Path
 from bench.harness import ROOT, clean, headline_table, rel, write_results
 
 BENCH = Path(__file__).resolve().parent
-NOT_IN_SUITE = ("run_all.py", "__init__.py", "gpu_check.py")  # gpu_check: bench/gpu_check.sh
+NOT_IN_SUITE = ("run_all.py", "gpu_check.py")  # gpu_check: bench/gpu_check.sh
 
-# Runs in the child (cwd: the directory holding the bench package): the module's main, what it
-# returned written to BENCH_RESULT_PATH.
+# The child (argv: module, result path, main's argv) writes its record to the result path
 _CHILD = r"""
-import importlib, inspect, json, os, sys, traceback
-module, out = sys.argv[1], os.environ["BENCH_RESULT_PATH"]
-argv = sys.argv[2:]
+import importlib, inspect, json, sys, traceback
+module, out, *argv = sys.argv[1:]
 sys.argv = [module, *argv]
 try:
-    mod = importlib.import_module(module)
-    res = mod.main(argv) if inspect.signature(mod.main).parameters else mod.main()
-    rec = {"returned": type(res).__name__, "result": res if isinstance(res, dict) else None}
-    if not isinstance(res, dict):
-        rec["repr"] = repr(res)[:500]
-except SystemExit as e:
-    rec = {"returned": "SystemExit", "result": None, "error": f"SystemExit({e.code})"}
+    main = importlib.import_module(module).main
+    res = main(argv) if inspect.signature(main).parameters else main()
+    rec = {"status": "ok", "result": res} if isinstance(res, dict) else {"status": "failed",
+           "error": f"main() returned {type(res).__name__} ({repr(res)[:500]}), not a dict"}
 except BaseException as e:
-    rec = {"returned": "exception", "result": None,
-           "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    rec = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+           "traceback": traceback.format_exc()[-4000:]}
 with open(out, "w") as f:
     json.dump(rec, f, default=str)
 """
@@ -56,67 +49,52 @@ def discover(bench_dir: Path = BENCH) -> list[dict]:
     """Modules of the package bench_dir with a top-level `def main`: name (the file's stem),
     module (`<package>.<name>`), path, and quick (the source declares --quick)."""
     found = []
-    for path in sorted(bench_dir.glob("*.py")):
-        if path.name in NOT_IN_SUITE or path.name.startswith("_"):
-            continue
-        rec = {"name": path.stem, "module": f"{bench_dir.name}.{path.stem}", "path": path}
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except SyntaxError as e:
-            found.append({**rec, "error": f"SyntaxError: {e}"})
-            continue
-        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-            quick = any(isinstance(n, ast.Constant) and n.value == "--quick" for n in ast.walk(tree))  # fmt: skip
-            found.append({**rec, "quick": quick})
+    for path in sorted(bench_dir.glob("[!_]*.py")):
+        src = path.read_text()
+        if path.name not in NOT_IN_SUITE and re.search(r"^def main\(", src, re.MULTILINE):
+            quick = re.search(r"""["']--quick["']""", src) is not None
+            module = f"{bench_dir.name}.{path.stem}"
+            found.append({"name": path.stem, "module": module, "path": path, "quick": quick})
     return found
 
 
-def run_script(script: dict, *, timeout: float, log_dir: Path, use_quick: bool = True) -> dict:
+def run_script(script: dict, *, timeout: float, log_dir: Path) -> dict:
     """Run one benchmark's main in a fresh subprocess; returns its record (never raises)."""
-    if "error" in script:
-        return {"status": "failed", "seconds": 0.0, "argv": [], "error": script["error"]}
-    argv = ["--quick"] if use_quick and script.get("quick") else []
+    argv = ["--quick"] if script["quick"] else []
     log_dir.mkdir(parents=True, exist_ok=True)
     log, out = log_dir / f"{script['name']}.log", log_dir / f"{script['name']}.result.json"
     out.unlink(missing_ok=True)
     t0, rec = time.perf_counter(), {"argv": argv, "log": rel(log)}
     with open(log, "w") as f:
         try:
-            rc = subprocess.run([sys.executable, "-c", _CHILD, script["module"], *argv],
-                                cwd=Path(script["path"]).parent.parent, stdout=f, timeout=timeout,
-                                env={**os.environ, "BENCH_RESULT_PATH": str(out)},
+            rc = subprocess.run([sys.executable, "-c", _CHILD, script["module"], str(out), *argv],
+                                cwd=script["path"].parent.parent, stdout=f, timeout=timeout,
                                 stderr=subprocess.STDOUT).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = None
     rec["seconds"] = time.perf_counter() - t0
-    child = json.loads(out.read_text()) if out.is_file() else {}
     if rc is None:
         rec.update(status="timeout", error=f"no result within {timeout:.0f} s")
-    elif child.get("result") is not None:
-        rec.update(status="ok", result=clean(child["result"]))
-    elif "error" in child:
-        rec.update(status="failed", error=child["error"], traceback=child.get("traceback"))
-    elif child.get("returned"):
-        rec.update(status="failed",
-                   error=f"main() returned {child['returned']} ({child.get('repr', '')}), not a dict")  # fmt: skip
+    elif out.is_file():
+        rec.update(json.loads(out.read_text()))
     else:
         rec.update(status="failed", error=f"the process exited with {rc} before main returned")
-    if rec["status"] != "ok":
+    if rec["status"] == "ok":
+        rec["result"] = clean(rec["result"])
+    else:
         rec["log_tail"] = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     return rec
 
 
-def flatten(obj, prefix: str = "", out: dict | None = None, limit: int = 400) -> dict:
-    """Scalar leaves of nested dicts/lists as {"a.b.0.c": value} (first `limit` leaves)."""
+def flatten(obj, prefix: str = "", out: dict | None = None) -> dict:
+    """Scalar leaves of nested dicts/lists as {"a.b.0.c": value}, over 16 scalars "[n values]"."""
     out = {} if out is None else out
-    if len(out) >= limit:
-        return out
     flat = isinstance(obj, list | tuple) and not any(isinstance(v, dict | list) for v in obj)
     if flat and len(obj) > 16:
         out[prefix] = f"[{len(obj)} values]"
     elif isinstance(obj, dict | list | tuple):
         for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
-            flatten(v, f"{prefix}.{k}" if prefix else str(k), out, limit)
+            flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
     else:
         out[prefix] = obj
     return out
@@ -134,13 +112,11 @@ def fmt(v) -> str:
 
 
 def headline(result: dict, n: int = 6) -> str:
-    """A few key numbers of a result: its 'headline'/'summary' entry if it has one, else the
-    first scalar leaves."""
+    """A few key numbers: the result's 'headline' or 'summary' dict if any, else its leaves."""
     leaves = flatten(next((result[k] for k in ("headline", "summary")
                            if isinstance(result.get(k), dict)), result))  # fmt: skip
-    more = len(leaves) - n
     txt = "; ".join(f"{k}={fmt(v)}" for k, v in list(leaves.items())[:n])
-    return txt + (f"; … (+{more})" if more > 0 else "")
+    return txt + (f"; … (+{len(leaves) - n})" if len(leaves) > n else "")
 
 
 def markdown(run: dict, max_rows: int = 60) -> str:
@@ -169,10 +145,8 @@ def markdown(run: dict, max_rows: int = 60) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", default=None, help="run only these benchmarks (names)")
-    ap.add_argument("--skip", nargs="+", default=[], help="skip these benchmarks (names)")
+    ap.add_argument("--only", nargs="+", help="run only these benchmarks (names)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per benchmark")
-    ap.add_argument("--no-quick", action="store_true", help="run every benchmark with its defaults")
     ap.add_argument("--results-dir", default=str(BENCH / "results"))
     ap.add_argument("--bench-dir", default=str(BENCH), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -180,8 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(args.only or []) - {s["name"] for s in scripts}
     if unknown:
         ap.error(f"no benchmark named {', '.join(sorted(unknown))}")
-    scripts = [s for s in scripts if s["name"] in (args.only or [s["name"]])
-               and s["name"] not in args.skip]  # fmt: skip
+    scripts = [s for s in scripts if s["name"] in (args.only or [s["name"]])]
     results_dir, stamp = Path(args.results_dir), time.strftime("%Y%m%d-%H%M%S")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
@@ -196,8 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     for s in scripts:
         print(f"bench: {s['name']} ...", flush=True)
-        rec = run_script(s, timeout=args.timeout, log_dir=results_dir / f"{stamp}-logs",
-                         use_quick=not args.no_quick)  # fmt: skip
+        rec = run_script(s, timeout=args.timeout, log_dir=results_dir / f"{stamp}-logs")
         run["scripts"][s["name"]] = rec
         print(f"bench: {s['name']}: {rec['status']} in {rec['seconds']:.0f} s", flush=True)
     run["seconds"] = time.perf_counter() - t0

@@ -3,31 +3,27 @@ training, each arm's lr swept, best against best (docs/quality.md says what and 
 
     python -m bench.study                 # both layouts, M=3 and 6, 3 seeds, 3 lrs (many hours)
     python -m bench.study --quick         # make bench: LLaMA layout, M=3, one seed (minutes)
-    python -m bench.study --small         # the quick model to its plateau: both layouts, M=3,
-                                          # 3 seeds, 3 lrs
+    python -m bench.study --small         # the quick model to its plateau, both layouts, 3 seeds
     python -m bench.study --tiny          # the slow test's end-to-end run (a minute)
     python -m bench.study --layouts llama --M 3 --variant head train.always_train=[head] \\
         --variant random train.order=random --set train.epochs=0.33
 
-Per layout (gpt2: tied head; llama: untied, GQA 2:1) and seed, every arm starts from one init
-checkpoint and token store, each in its own process (bench/arms.py; --inline: this one). full
-trains to its plateau (harness.plateau, or full_cap steps), once per (layout, seed, lr); each
-BCD arm until its val ppl after a visit reaches full's best (best lr, same seed), or bcd_factor
-x full's steps to it. B-F multiplier = BCD steps to full's best ppl / full's steps to it; the
-wall-clock ratio likewise in seconds less every evaluation. Every lr is swept
-(harness.select_lr); medians over all seeds (harness.spread, "n of N reached").
+Per (layout, seed) every arm starts from one init checkpoint and token store, in a process of
+its own (bench/arms.py; --inline: this one). full trains to its plateau; each BCD arm until it
+reaches full's best val ppl (best lr, same seed) or bcd_factor x full's steps to it. B-F
+multiplier (wall-clock ratio): BCD's steps (seconds, less evaluations) to it / full's to its
+best; medians over all seeds (harness.spread).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import math
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -73,8 +69,6 @@ LAYOUTS = {
 }
 LAYERS_HEAVY = ["model.hidden_size=256", "model.num_layers=6", "model.num_heads=4",
                 "model.max_positions=128"]  # fmt: skip
-TINY_MODEL = ["model.hidden_size=32", "model.num_layers=6", "model.num_heads=2",
-              "model.max_positions=16"]  # fmt: skip
 DEFAULT = Scale(model=LAYERS_HEAVY, documents=100, full_cap=2400, patience=4, min_steps=300)
 QUICK = Scale(
     model=["model.hidden_size=64", "model.num_layers=6", "model.num_heads=2",
@@ -84,13 +78,14 @@ QUICK = Scale(
 )  # fmt: skip
 # the quick model to its plateau: its 24 documents overfit, so val ppl turns up and patience
 # stops full well inside the cap; 3 seeds, the grid one step below the quick one's edge
-SMALL = dataclasses.replace(
+SMALL = replace(
     QUICK, full_cap=1500, patience=3, min_steps=150, seeds=[0, 1, 2], lrs=[1e-3, 3e-3, 1e-2]
 )
 TINY = Scale(
-    model=TINY_MODEL, documents=8, seq_len=16, batch_size=4, vocab=320, val_fraction=0.2,
-    steps_per_visit=3, full_cap=12, patience=2, seeds=[0], lrs=[1e-3, 1e-2, 3e-2],
-    val_batches=2, warmup_steps=1,
+    model=["model.hidden_size=32", "model.num_layers=6", "model.num_heads=2",
+           "model.max_positions=16"],  # fmt: skip
+    documents=8, seq_len=16, batch_size=4, vocab=320, val_fraction=0.2, steps_per_visit=3,
+    full_cap=12, patience=2, seeds=[0], lrs=[1e-3, 1e-2, 3e-2], val_batches=2, warmup_steps=1,
 )  # fmt: skip
 PRESETS = {  # preset -> (scale, layouts, Ms)
     "default": (DEFAULT, ["gpt2", "llama"], [3, 6]),
@@ -103,11 +98,16 @@ FULL = Arm("full", [], "full")
 SHARED = ("model.", "data.", "partition.", "run.")  # every arm must share these: full is shared
 
 
-def study_overrides(sc: Scale, work: Path, layout: str, M: int, sets: list[str]) -> list[str]:
-    """The overrides every arm of (layout, M) shares, the study's --set last but the paths."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; use one of {sorted(LAYOUTS)}")
-    return [
+def init_dir(work: Path, layout: str, M: int, seed: int) -> Path:
+    return work / f"init-{layout}-M{M}-s{seed}"
+
+
+def run_one(sc: Scale, work: Path, arm: Arm, *, layout: str, M: int, seed: int, lr: float,
+            stop: Stop, sets: tuple[str, ...] = (), inline: bool = False,
+            threads: int | None = None) -> dict:  # fmt: skip
+    """One arm of (layout, M) from seed's init checkpoint (made once) and the shared token
+    store, to its stop rule (bench/arms.py runs it): its record."""
+    common = [  # what every arm of (layout, M) shares, the study's --set last but the paths
         *sc.model, *LAYOUTS[layout], f"model.vocab_size={sc.vocab}", "data.source=builtin",
         f"data.max_documents={sc.documents}", f"data.vocab_size={sc.vocab}",
         f"data.seq_len={sc.seq_len}", f"data.val_fraction={sc.val_fraction}",
@@ -115,38 +115,25 @@ def study_overrides(sc: Scale, work: Path, layout: str, M: int, sets: list[str])
         f"train.batch_size={sc.batch_size}", f"train.max_steps={sc.steps_per_visit}",
         f"train.warmup_steps={sc.warmup_steps}", "train.eval_every=0", "train.eval_batches=4",
         "train.workers=0", "train.checkpoint_every=0", "run.device=cpu", "run.tensorboard=false",
-        *sets, f"data.out_dir={work / 'tokens'}",
+        *sets, f"data.out_dir={work / 'tokens'}", f"model.init_seed={seed}",
     ]  # fmt: skip
-
-
-def init_dir(work: Path, layout: str, M: int, seed: int) -> Path:
-    return work / f"init-{layout}-M{M}-s{seed}"
-
-
-def run_one(sc: Scale, work: Path, arm: Arm, *, layout: str, M: int, seed: int, lr: float,
-            stop: Stop, config: str | None = None, sets: tuple[str, ...] = (),
-            inline: bool = False, threads: int | None = None, log=None) -> dict:  # fmt: skip
-    """One arm of (layout, M) from seed's init checkpoint (made once) and the shared token
-    store, to its stop rule (bench/arms.py runs it): its record."""
-    common = [*study_overrides(sc, work, layout, M, list(sets)), f"model.init_seed={seed}"]
     init = init_dir(work, layout, M, seed)
     if not (init / "checkpoint.json").is_file():
-        prepare(config, [*common, f"run.dir={work / 'prep'}"], init)
+        prepare(None, [*common, f"run.dir={work / 'prep'}"], init)
     name = f"{layout}-{arm.name}-M{M}-s{seed}-lr{lr:g}"
     over = [*common, *arm.overrides]
     if arm.mode == "full":  # run_bcd's full mode trains rounds x M x a visit's steps: the cap
         over += [f"train.max_steps={max(1, sc.full_cap // M)}", "train.epochs=null",
                  "train.rounds=1", f"train.eval_every={sc.steps_per_visit}"]  # fmt: skip
-    spec = {"arm": arm.name, "mode": arm.mode, "lr": lr, "seed": seed, "config": config,
-            "overrides": over, "init": str(init), "run_dir": str(work / name), "stop": stop,
+    spec = {"arm": arm.name, "mode": arm.mode, "lr": lr, "seed": seed, "overrides": over,
+            "init": str(init), "run_dir": str(work / name), "stop": stop,
             "eval_batches": sc.val_batches, "threads": threads}  # fmt: skip
     (work / "logs").mkdir(parents=True, exist_ok=True)
     rec = run_arm(spec, log_path=None if inline else work / "logs" / f"{name}.log")
     rec.update(overrides=arm.overrides, layout=layout, M=M)
-    if log:
-        log(f"    {layout} M={M} s{seed} {arm.name:>14s} lr {lr:<7g} {rec['steps']:>5d} steps "
-            f"{rec['seconds']:7.1f}s ppl {rec['final_ppl'] or float('nan'):8.2f} peak "
-            f"{rec['peak_rss_mb']:.0f} MiB (load {rec['load_start']})")  # fmt: skip
+    print(f"    {layout} M={M} s{seed} {arm.name:>14s} lr {lr:<7g} {rec['steps']:>5d} steps "
+          f"{rec['seconds']:7.1f}s ppl {rec['final_ppl'] or float('nan'):8.2f} peak "
+          f"{rec['peak_rss_mb']:.0f} MiB (load {rec['load_start']})", flush=True)  # fmt: skip
     return rec
 
 
@@ -171,7 +158,7 @@ def parse_variant(spec: list[str]) -> Arm:
     return Arm(name, list(sets), mode)
 
 
-def run_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], opts: dict, log,
+def run_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], opts: dict,
              full: dict | None = None) -> dict:  # fmt: skip
     """Every arm at every (seed, lr), interleaved per seed, as {arm: {lr: [record per seed]}}.
     Without `full`: full to its plateau; with it ({seed: full's record at its best lr}): each
@@ -185,8 +172,7 @@ def run_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], opts: 
             best = full[seed]["best"]
             stop = Stop(target_ppl=best["ppl"], cap_steps=math.ceil(sc.bcd_factor * best["steps"]))
         for arm, lr in h.interleave(jobs, i):
-            rec = run_one(sc, work, arm, layout=layout, M=M, seed=seed, lr=lr, stop=stop, log=log,
-                          **opts)  # fmt: skip
+            rec = run_one(sc, work, arm, layout=layout, M=M, seed=seed, lr=lr, stop=stop, **opts)
             if full is None:
                 p = h.plateau(rec["curve"], sc.patience, sc.min_rel_delta, sc.min_steps)
                 rec.update(best=p["best"], plateaued=p["plateaued"], best_ppl=p["best"]["ppl"],
@@ -196,10 +182,8 @@ def run_arms(sc: Scale, work: Path, layout: str, M: int, arms: list[Arm], opts: 
                 rec.update(h.multiplier(hit, best), reach_steps=hit["steps"] if hit else None,
                            target_ppl=best["ppl"], cap_steps=stop.cap_steps,
                            best_ppl=min(p["ppl"] for p in rec["curve"]) if rec["curve"] else None)  # fmt: skip
-            runs[arm.name][lr].append(rec)
-    # each lr's records in seed order, whatever order they ran in
-    return {name: {lr: sorted(recs, key=lambda r: sc.seeds.index(r["seed"]))
-                   for lr, recs in by_lr.items()} for name, by_lr in runs.items()}  # fmt: skip
+            runs[arm.name][lr].append(rec)  # seeds run in order: each list is in seed order
+    return runs
 
 
 def analyse(full_runs: dict, bcd_runs: dict) -> dict:
@@ -236,41 +220,47 @@ def render(studies: list[dict]) -> str:
     return h.headline_table(rows)
 
 
+def finish(res: dict, t0: float, load0, tmp, out: str | None, name: str) -> Path:
+    """res with the run's load, seconds and host, printed and written (harness.publish); the
+    temp work dir (None: --work's) removed. Economics' too."""
+    res.update(load_start=load0, load_end=h.load_average(), seconds=time.perf_counter() - t0)
+    res.update(host())
+    print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
+    if tmp is not None:
+        tmp.cleanup()
+    return h.publish(res, res["table"], out, name)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="LLaMA layout, M=3, 1 seed (make bench)")
-    size.add_argument("--small", action="store_true", help="the quick model to its plateau: both "
-                      "layouts, M=3, 3 seeds, 3 lrs (about an hour)")  # fmt: skip
+    size.add_argument(
+        "--small", action="store_true", help="the quick model to its plateau, 3 seeds"
+    )
     size.add_argument("--tiny", action="store_true", help="a tiny model, seconds per arm (tests)")
-    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=None)
-    ap.add_argument("--M", type=int, nargs="+", default=None, help="block counts")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None)
-    ap.add_argument("--lrs", type=float, nargs="+", default=None, help="the lr grid of every arm")
-    ap.add_argument("--arms", nargs="*", choices=sorted(BASE_ARMS), default=None,
-                    help="base BCD arms (default both; full always runs)")  # fmt: skip
+    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS))
+    ap.add_argument("--M", type=int, nargs="+", help="block counts")
+    ap.add_argument("--seeds", type=int, nargs="+")
+    ap.add_argument("--lrs", type=float, nargs="+", help="the lr grid of every arm")
+    ap.add_argument("--arms", nargs="*", choices=sorted(BASE_ARMS), help="BCD arms (default: both)")
     ap.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME KEY=VALUE",
                     help="a named BCD arm with config overrides (repeatable)")  # fmt: skip
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every arm (repeatable)")  # fmt: skip
-    ap.add_argument("--config", default=None, help="a YAML under every arm's overrides")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1: on a busy machine more threads spin and wait)")  # fmt: skip
-    ap.add_argument("--inline", action="store_true",
-                    help="run the arms in this process (peak memory then not each arm's own)")  # fmt: skip
-    ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
-    ap.add_argument("--out", default=None, help="results JSON (default bench/results/...)")
-    ap.add_argument("--val-batches", type=int, default=None,
-                    help="a curve point reads the first N x batch val rows (0: all)")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--inline", action="store_true", help="run the arms in this process")
+    ap.add_argument("--work", help="scratch dir (default: a temp dir)")
+    ap.add_argument("--out", help="results JSON (default bench/results/...)")
+    ap.add_argument("--val-batches", type=int, help="val batches per curve point (0: all)")
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     preset = "quick" if a.quick else "small" if a.small else "tiny" if a.tiny else "default"
     base, layouts, Ms = PRESETS[preset]
-    sc = copy.deepcopy(base)
-    sc.seeds, sc.lrs = a.seeds or sc.seeds, a.lrs or sc.lrs
-    if a.val_batches is not None and a.val_batches < 0:
-        ap.error(f"--val-batches must be >= 0 (0 = the whole val split), got {a.val_batches}")
-    sc.val_batches = sc.val_batches if a.val_batches is None else a.val_batches
+    vb = base.val_batches if a.val_batches is None else a.val_batches
+    if vb < 0:
+        ap.error(f"--val-batches must be >= 0 (0 = the whole val split), got {vb}")
+    sc = replace(base, seeds=a.seeds or base.seeds, lrs=a.lrs or base.lrs, val_batches=vb)
     layouts, Ms = a.layouts or layouts, a.M or Ms
     try:
         arms = [BASE_ARMS[n] for n in (a.arms if a.arms is not None else BASE_ARMS)]
@@ -279,42 +269,32 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(str(e))
     if len({x.name for x in arms}) != len(arms):
         ap.error("two BCD arms share a name")
-    if a.threads < 1:
-        ap.error(f"--threads must be >= 1, got {a.threads}")
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)  # >= 1 (torch says so)
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="study-")
     work = Path(a.work or tmp.name)
-    opts = {"config": a.config, "sets": tuple(a.sets), "inline": a.inline, "threads": a.threads}
+    opts = {"sets": tuple(a.sets), "inline": a.inline, "threads": a.threads}
     t0, load0 = time.perf_counter(), h.load_average()
     print(f"study ({preset}): layouts {layouts}, M {Ms}, seeds {sc.seeds}, lrs {sc.lrs}, "
           f"arms full + {[x.name for x in arms]} (load {load0})", flush=True)  # fmt: skip
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
     studies = []
     for layout in layouts:
-        full_runs = run_arms(sc, work, layout, min(Ms), [FULL], opts, log)["full"]
+        full_runs = run_arms(sc, work, layout, min(Ms), [FULL], opts)["full"]
         fsel = h.select_lr(full_runs, "best_ppl", tie="steps_to_best")
         best_full = {r["seed"]: r for r in full_runs[fsel["lr"]]}
         for M in Ms:
-            bcd_runs = run_arms(sc, work, layout, M, arms, opts, log, full=best_full)
+            bcd_runs = run_arms(sc, work, layout, M, arms, opts, full=best_full)
             studies.append({"layout": layout, "M": M, "analysis": analyse(full_runs, bcd_runs),
                             "full_runs": full_runs, "bcd_runs": bcd_runs})  # fmt: skip
-    args = []  # the command line as recorded: --work and --out values (machine paths) left out
-    for prev, x in zip([None, *argv], argv, strict=False):
-        if prev not in ("--work", "--out"):
-            args.append(f"{x} <{x[2:]}>" if x in ("--work", "--out") else x)
+    # the command as run, --work's and --out's values (machine paths) as <work>, <out>
+    shown = [f"<{p[2:]}>" if p in ("--work", "--out") else x for p, x in pairwise(["", *argv])]
     res = {
-        "command": " ".join(["python -m bench.study", *args]),
+        "command": " ".join(["python -m bench.study", *shown]),
         "preset": preset, "scale": asdict(sc), "layouts": {k: LAYOUTS[k] for k in layouts},
-        "M": Ms, "arms": [asdict(x) for x in arms], "sets": a.sets,
-        "config": a.config, "studies": studies, "table": render(studies),
-        "load_start": load0, "load_end": h.load_average(), "seconds": time.perf_counter() - t0,
-        **host(),
+        "M": Ms, "arms": [asdict(x) for x in arms], "sets": a.sets, "studies": studies,
+        "table": render(studies),
     }  # fmt: skip
-    print(f"(load average {load0} at start, {res['load_end']} at end; {res['seconds']:.0f}s)")
     name = "study" + ("" if preset == "default" else f"-{preset}")
-    out = h.publish(res, res["table"], a.out, name)
-    if tmp is not None:
-        tmp.cleanup()
+    out = finish(res, t0, load0, tmp, a.out, name)
     head = {f"{s['layout']}.M{s['M']}.{name}.{k}": r[k]["median"] for s in studies
             for name, r in s["analysis"].items() if name != "full"
             for k in ("bf_multiplier", "time_ratio")}  # fmt: skip

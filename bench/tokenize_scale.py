@@ -21,7 +21,7 @@ import numpy as np
 from bench.arms import PeakMemory, in_child
 from bench.harness import headline_table, quiet
 
-VOCAB_WORDS = 20_000
+VOCAB_WORDS, SHARD_ROWS = 20_000, 4096
 
 
 def _count(text: str) -> int:
@@ -29,34 +29,32 @@ def _count(text: str) -> int:
     return int(n * {"m": 1e6, "k": 1e3}.get(text[-1].lower(), 1))
 
 
-def _words(rng) -> np.ndarray:
+def _words() -> np.ndarray:
+    rng = np.random.default_rng(1234)
     letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
-    lens = rng.integers(2, 10, VOCAB_WORDS)
-    return np.array(["".join(rng.choice(letters, k)) for k in lens])
+    return np.array(["".join(rng.choice(letters, k)) for k in rng.integers(2, 10, VOCAB_WORDS)])
 
 
 def _doc(rng, words: np.ndarray, n_words: int) -> str:
-    idx = np.minimum(rng.zipf(1.2, n_words), VOCAB_WORDS) - 1
-    return " ".join(words[idx])
+    return " ".join(words[np.minimum(rng.zipf(1.2, n_words), VOCAB_WORDS) - 1])
 
 
-def write_corpus(root: Path, tokens: int, *, doc_tokens: int, file_tokens: int,
-                 tok_per_word: float, seed: int = 0) -> dict:  # fmt: skip
+def write_corpus(root: Path, tokens: int, doc_tokens: int, file_tokens: int, per_word: float):
     """jsonl files under root holding about `tokens` tokens; returns counts."""
     root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    words = _words(np.random.default_rng(1234))
-    done, files, docs = 0, 0, 0
+    rng = np.random.default_rng(0)
+    words = _words()
+    done = files = docs = 0
     while done < tokens:
         budget, lines = min(file_tokens, tokens - done), []
         while budget > 0:
             n = max(1, int(doc_tokens * rng.uniform(0.2, 1.8)))
-            lines.append(json.dumps({"text": _doc(rng, words, max(1, int(n / tok_per_word)))}))
+            lines.append(json.dumps({"text": _doc(rng, words, max(1, int(n / per_word)))}))
             budget -= n
             done += n
-            docs += 1
         (root / f"part-{files:05d}.jsonl").write_text("\n".join(lines) + "\n")
         files += 1
+        docs += len(lines)
     return {"files": files, "docs": docs}
 
 
@@ -65,7 +63,7 @@ def train_tokenizer(path: Path) -> float:
     from preinfer.data.tokenization import train_bpe
 
     rng = np.random.default_rng(99)
-    words = _words(np.random.default_rng(1234))
+    words = _words()
     sample = [_doc(rng, words, 500) for _ in range(300)]
     tok = train_bpe(sample, 4096)
     tok.save(str(path))
@@ -81,7 +79,7 @@ def child(spec: dict, _ask=None) -> dict:
     cfg = load_config("configs/demo.yaml", [
         f"run.dir={spec['run_dir']}", f"data.source={spec['corpus']}",
         f"data.tokenizer={spec['tokenizer']}", "data.max_documents=null",
-        f"data.seq_len={spec['seq_len']}", f"data.shard_rows={spec['shard_rows']}",
+        f"data.seq_len={spec['seq_len']}", f"data.shard_rows={SHARD_ROWS}",
         "model.vocab_size=4096",
     ])  # fmt: skip
     mem = PeakMemory()
@@ -98,36 +96,31 @@ def long_doc_pack(n: int, seq_len: int) -> float:
     ids = np.random.default_rng(0).integers(1, 4096, n).tolist()
     t0 = time.perf_counter()
     rows = sum(1 for _ in pack([ids], 0, seq_len))
-    dt = time.perf_counter() - t0
     assert rows == (n + 1) // (seq_len + 1)
-    return dt
+    return time.perf_counter() - t0
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1M,50M", help="corpus sizes in tokens, comma separated")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--shard-rows", type=int, default=4096)
-    ap.add_argument("--doc-tokens", type=int, default=2000, help="mean tokens per document")
-    ap.add_argument("--file-tokens", default="1M", help="tokens per jsonl file")
     ap.add_argument("--long-doc", default="0", help="also time pack() on one document this long")
     ap.add_argument("--work", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--tiny", action="store_true", help="20k and 40k tokens (tests)")
     a = ap.parse_args(argv)
-    if a.tiny:
-        a.sizes, a.file_tokens, a.doc_tokens = "20k,40k", "20k", 500
+    # mean tokens per document, tokens per jsonl file
+    sizes, doc_tokens, file_tokens = ("20k,40k", 500, "20k") if a.tiny else (a.sizes, 2000, "1M")
     work = Path(a.work or tempfile.mkdtemp(prefix="tokenize_scale-"))
     work.mkdir(parents=True, exist_ok=True)
     tok = work / "tokenizer.json"
     per_word = train_tokenizer(tok)
     results = []
-    for size in a.sizes.split(","):
+    for size in sizes.split(","):
         corpus = work / f"corpus-{size}"
-        info = write_corpus(corpus, _count(size), doc_tokens=a.doc_tokens,
-                            file_tokens=_count(a.file_tokens), tok_per_word=per_word)  # fmt: skip
+        info = write_corpus(corpus, _count(size), doc_tokens, _count(file_tokens), per_word)
         r = in_child("bench.tokenize_scale:child", {
             "corpus": str(corpus), "tokenizer": str(tok), "run_dir": str(work / f"run-{size}"),
-            "seq_len": a.seq_len, "shard_rows": a.shard_rows})  # fmt: skip
+            "seq_len": a.seq_len})  # fmt: skip
         results.append({"size": size, **info, **r, "tok_s": r["tokens"] / r["seconds"]})
     rows = [("corpus", "tokens", "docs", "files", "seconds", "tokens/s", "peak RSS MiB",
              "RSS growth MiB", "tokens/s vs first", "peak RSS vs first")]  # fmt: skip
@@ -135,8 +128,8 @@ def main(argv=None) -> dict:
               f"{r['tok_s']:,.0f}", f"{r['peak_rss_mb']:.0f}",
               f"{r['peak_rss_mb'] - r['base_rss_mb']:.0f}", f"{r['tok_s'] / results[0]['tok_s']:.2f}",
               f"{r['peak_rss_mb'] / results[0]['peak_rss_mb']:.2f}") for r in results]  # fmt: skip
-    print(f"tokenize scale (S={a.seq_len}, shard_rows={a.shard_rows}, ~{a.doc_tokens} tokens/doc, "
-          f"{a.file_tokens} tokens/file)\n\n{headline_table(rows)}\n\ntarget at 50M: tokens/s "
+    print(f"tokenize scale (S={a.seq_len}, shard_rows={SHARD_ROWS}, ~{doc_tokens} tokens/doc, "
+          f"{file_tokens} tokens/file)\n\n{headline_table(rows)}\n\ntarget at 50M: tokens/s "
           ">= 0.80x and peak RSS <= 1.20x the 1M figures")  # fmt: skip
     if _count(a.long_doc):
         n = _count(a.long_doc)

@@ -2,15 +2,15 @@
 
     .venv/bin/python -m bench.trainer_step [--config configs/demo.yaml] [--repeats 7]
     .venv/bin/python -m bench.trainer_step --precision [--config configs/llama-small.yaml]
-        [--seq 128] [--batch B] [--block 1] [--repeats 5] [--steps 3]
+        [--seq 128] [--block 1] [--repeats 5] [--steps 3] [--set train.batch_size=B]
     .venv/bin/python -m bench.trainer_step --quick   # make bench: both, demo-sized, few repeats
 
 For the last and a middle block: the step time of `bcd` (batches from a real boundary-K cache),
 `bcd-recompute` (the prefix without grad, then the suffix) and `full`, interleaved; the ideal
-cached/recompute ratio from bare forward/backward timings; and each arm's peak memory in fresh
-processes (in_child, PeakMemory; median of --mem-repeats): the RSS growth over a baseline with
-every arm's libraries loaded (warm_up_runtime; the headline), and "cold", before the arm's own
-libraries load (on a GPU: max_memory_allocated). Both arms of a ratio use the same loss.
+cached/recompute ratio from bare forward/backward timings; each arm's peak memory in fresh
+processes (median of --mem-repeats): the RSS growth over a baseline with every arm's libraries
+loaded (the headline), and "cold", before the arm's own libraries load (GPU:
+max_memory_allocated). Both arms of a ratio use the same loss.
 
 --precision: one block's step (block 0 from token ids, else from a (B, S, H) hidden input as a
 cache gives it) under run.precision=fp32 and =bf16, interleaved: the speed-up, tokens/s, and
@@ -20,10 +20,10 @@ what run.precision=auto resolves to here.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -40,6 +40,8 @@ from preinfer.train.batches import CacheBatches
 from storage.cache import CacheWriter
 from storage.reader import open_cache
 
+ARMS = ("bcd", "bcd-recompute", "full")
+
 
 def make_cache(cfg, ckpt, block: int, work: Path, n: int):
     """A real boundary-`block` cache of n samples (random ids through the real prefix)."""
@@ -47,9 +49,9 @@ def make_cache(cfg, ckpt, block: int, work: Path, n: int):
     root = work / "cache"
     if (root / fp / "manifest.json").exists():
         return open_cache(root, fp)
-    S, V = cfg.data.seq_len, ckpt.vocab_size
+    S = cfg.data.seq_len
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (n, S + 1), generator=g)
+    ids = torch.randint(0, ckpt.vocab_size, (n, S + 1), generator=g)
     model, adapter = ckpt.load(range(block))
     samples = {"sample_id": torch.arange(n).numpy(), "input_ids": ids[:, :-1].numpy(),
                "labels": ids[:, 1:].numpy()}  # fmt: skip
@@ -63,35 +65,30 @@ def make_cache(cfg, ckpt, block: int, work: Path, n: int):
     return open_cache(root, fp)
 
 
-def bare_ratio(arm_recompute: BlockStep, repeats: int) -> float:
-    """Ideal speed-up: time(prefix fwd + suffix fwd/bwd) / time(suffix fwd/bwd)."""
-    a, K = arm_recompute, arm_recompute.block
+def bare_ratio(a: BlockStep, repeats: int) -> float:
+    """Ideal speed-up of the recompute arm `a` (already warm): time(prefix fwd + suffix
+    fwd/bwd) / time(suffix fwd/bwd)."""
     x, labels = a.ids[:, :-1], a.ids[:, 1:]
-    with torch.no_grad():
-        h = forward_blocks(a.adapter, a.part, x, 0, K)
+    K = a.block
     pre, suf = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         with torch.no_grad():
-            forward_blocks(a.adapter, a.part, x, 0, K)
+            h = forward_blocks(a.adapter, a.part, x, 0, K)
         t1 = time.perf_counter()
         blocks_loss(a.adapter, a.part, h, labels, K, a.chunk).backward()
-        t2 = time.perf_counter()
-        a.opt.zero_grad(set_to_none=True)
         pre.append(t1 - t0)
-        suf.append(t2 - t1)
-    p, s = statistics.median(pre), statistics.median(suf)
-    return (p + s) / s
+        suf.append(time.perf_counter() - t1)
+        a.opt.zero_grad(set_to_none=True)
+    return 1 + median(pre) / median(suf)
 
 
 def warm_up_runtime(cfg, ckpt, work: Path) -> None:
-    """Load the libraries every arm's process holds before it loads a model, so the measured
-    growth is the trainer's own (weights, gradients, optimizer state, activations, batches and
-    the reader's buffers), not one-off library start-up, and every arm starts from the same
-    baseline: thread pools and allocator arenas (a tiny forward/backward), the model classes
-    (transformers imports them lazily, ~150 MB of RSS: built here on the meta device) and the
-    cache reader's libraries (pyarrow's parquet reader and numpy bridge, which imports pandas,
-    ~50 MB: one batch read from a separate 2-sample cache)."""
+    """Load what every arm's process holds before it loads a model, so the measured growth is
+    the trainer's own (weights, gradients, optimizer state, activations, batches, the reader's
+    buffers) from one baseline: thread pools and allocator arenas (a tiny forward/backward),
+    the model classes (transformers imports them lazily, ~150 MB: built on the meta device),
+    the cache reader's libraries (pyarrow, pandas, ~50 MB: a batch of a 2-sample cache)."""
     lin = torch.nn.Linear(64, 64)
     lin(torch.randn(8, 64)).sum().backward()
     build_model(ckpt.model_config, device="meta", hf_config=ckpt.hf_config)
@@ -100,7 +97,8 @@ def warm_up_runtime(cfg, ckpt, work: Path) -> None:
 
 
 def memory_child(spec: dict, _ask=None) -> dict:
-    """In a fresh process: peak memory growth from before loading anything, over a few steps."""
+    """In a fresh process: one arm's peak memory growth over 3 steps (cold: from before the
+    arm's own libraries load)."""
     cfg = load_config(spec["config"], spec["set"])
     work = Path(spec["work"])
     device = resolve_device(cfg.run.device)
@@ -122,8 +120,8 @@ def measure_memory(args, arm: str, block: int, *, cold: bool = False) -> float:
     """Median over args.mem_repeats fresh processes (RSS high-water marks vary run to run)."""
     spec = {"arm": arm, "block": block, "work": args.work, "config": args.config,
             "samples": args.samples, "set": args.set, "cold": cold}  # fmt: skip
-    return statistics.median(in_child("bench.trainer_step:memory_child", spec)["peak_growth_mb"]
-                             for _ in range(args.mem_repeats))  # fmt: skip
+    return median(in_child("bench.trainer_step:memory_child", spec)["peak_growth_mb"]
+                  for _ in range(args.mem_repeats))  # fmt: skip
 
 
 def run(args) -> dict:
@@ -134,18 +132,17 @@ def run(args) -> dict:
         init_checkpoint(cfg.model, cfg.partition.num_blocks, work / "checkpoint")
     ckpt = Checkpoint.open(work / "checkpoint")
     M = ckpt.num_blocks
+    make_cache(cfg, ckpt, 1, work / "warm-up", 2)  # for the memory children's warm-up
     rows = []
     for block in sorted({M - 1, max(1, M // 2)}):
         cache = make_cache(cfg, ckpt, block, work, args.samples)
-        make_cache(cfg, ckpt, 1, work / "warm-up", 2)  # for the memory children's warm-up
-        names = ("bcd", "bcd-recompute", "full")
-        arms = {n: BlockStep(n, cfg, ckpt, block, device, cache=cache) for n in names}
+        arms = {n: BlockStep(n, cfg, ckpt, block, device, cache=cache) for n in ARMS}
         times = interleaved({n: a.step for n, a in arms.items()}, args.repeats)
-        med = {n: statistics.median(t) for n, t in times.items()}
+        med = {n: median(t) for n, t in times.items()}
         ideal = bare_ratio(arms["bcd-recompute"], args.repeats)
         del arms
-        mem = {n: measure_memory(args, n, block) for n in names}
-        cold = {n: measure_memory(args, n, block, cold=True) for n in names}
+        mem = {n: measure_memory(args, n, block) for n in ARMS}
+        cold = {n: measure_memory(args, n, block, cold=True) for n in ARMS}
         speedup = med["bcd-recompute"] / med["bcd"]
         rows.append({"block": block, "of_blocks": M, "step_ms": {n: 1000 * v for n, v in med.items()},
                      "speedup_cached_vs_recompute": speedup, "ideal_ratio": ideal,
@@ -186,7 +183,7 @@ def precision(a) -> dict:
     """fp32 against bf16 autocast, one block's optimizer steps (see the module doc)."""
     cfg = load_config(a.config, a.set)
     device = resolve_device(cfg.run.device)
-    B, S, K = a.batch or cfg.train.batch_size, a.seq, a.block
+    B, S, K = cfg.train.batch_size, a.seq, a.block
     g = torch.Generator().manual_seed(0)
     V, H = cfg.model.vocab_size, cfg.model.hidden_size
     labels = torch.randint(0, V, (B, S), generator=g)
@@ -199,7 +196,7 @@ def precision(a) -> dict:
         times = interleaved({p: lambda p=p: sum(step[p].step((x, labels), precision=p)
                                                 for _ in range(a.steps)) / a.steps
                              for p in arms}, a.repeats)  # fmt: skip
-    med = {arm: statistics.median(t) for arm, t in times.items()}
+    med = {arm: median(t) for arm, t in times.items()}
     auto, why = training_precision(device, "auto")
     res = {
         "config": a.config, "sets": a.set, "block": K, "batch": B, "seq": S,
@@ -221,12 +218,12 @@ def precision(a) -> dict:
     print(f"block {K} of {a.config} ({', '.join(a.set) or 'as configured'}), batch {B} x S {S}, "
           f"{res['threads']} threads, {res['device']} {res['cpu'] or ''}\n{headline_table(rows)}\n"
           f"bf16 speed-up: {res['speedup_bf16']:.2f}x (medians); per interleaved pair: median "
-          f"{statistics.median(pairs):.2f}x, {pairs[0]:.2f}..{pairs[-1]:.2f}\nrun.precision=auto "
+          f"{median(pairs):.2f}x, {pairs[0]:.2f}..{pairs[-1]:.2f}\nrun.precision=auto "
           f"here: {auto} ({why})\nload average: {load_start} -> {res['load_end']}")  # fmt: skip
     return res
 
 
-def main(argv=None) -> dict | None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None,
                     help="default configs/demo.yaml; --precision: configs/llama-small.yaml")  # fmt: skip
@@ -237,7 +234,6 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--precision", action="store_true",
                     help="fp32 against bf16 autocast, one block's step, instead")  # fmt: skip
     ap.add_argument("--seq", type=int, default=128, help="--precision: S")
-    ap.add_argument("--batch", type=int, default=None, help="--precision: default the config's")
     ap.add_argument("--block", type=int, default=1, help="--precision: the block")
     ap.add_argument("--steps", type=int, default=3, help="--precision: timed steps per repeat")
     ap.add_argument("--work", default=None)

@@ -32,29 +32,22 @@ def run(args) -> dict:
     if not (args.model / "config.json").exists():
         raise SystemExit(f"no model at {args.model}; {INSTALL}")
     torch.set_num_threads(args.threads)
-    over = ["model.arch=llama", f"model.checkpoint={args.model}", f"data.tokenizer={args.model}",
-            f"partition.num_blocks={args.blocks}", f"train.lr={args.lr}", *args.set]  # fmt: skip
-    cfg = load_config(ROOT / "configs" / "finetune.yaml", over)
-    cpu = torch.device("cpu")
+    over = ["model.arch=llama", f"model.checkpoint={args.model}", f"data.tokenizer={args.model}"]
+    cfg = load_config(ROOT / "configs" / "finetune.yaml", [*over, *args.set])
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = init_checkpoint(cfg.model, cfg.partition.num_blocks, Path(tmp) / "checkpoint")
-        mine = {k: BlockStep("bcd-recompute", cfg, ckpt, args.block, cpu, chunk=c)
+        mine = {k: BlockStep("bcd-recompute", cfg, ckpt, args.block, torch.device("cpu"), chunk=c)
                 for k, c in (("preinfer", None), ("preinfer, unfused loss", 0))}  # fmt: skip
         steps = {k: lambda x, y, a=a: hf_step(a.opt, lambda: a.loss(x, y), a.model)
                  for k, a in mine.items()}  # fmt: skip
-        steps["badam"] = badam_step(args.model, ckpt.partition.blocks, args.block, args.lr)
+        steps["badam"] = badam_step(args.model, ckpt.partition.blocks, args.block, cfg.train.lr)
     g = torch.Generator().manual_seed(0)
-    V = ckpt.vocab_size
-    batches = [torch.randint(0, V, (args.batch, args.seq + 1), generator=g) for _ in range(4)]
+    ids = torch.randint(0, ckpt.vocab_size, (4, args.batch, args.seq + 1), generator=g)
+    batches = [(b[:, :-1], b[:, 1:]) for b in ids]
 
     def arm(step):  # every arm reads the batches in the same order, the first one untimed
         it = itertools.cycle(batches)
-
-        def one():
-            b = next(it)
-            return step(b[:, :-1], b[:, 1:])
-
-        return one
+        return lambda: step(*next(it))
 
     arms = {k: arm(step) for k, step in steps.items()}
     load0 = load_average()
@@ -76,32 +69,27 @@ def run(args) -> dict:
     }  # fmt: skip
 
 
-def table(res: dict) -> str:
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=REAL_MODEL)
+    ap.add_argument("--block", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--set", nargs="+", default=[], help="config overrides, e.g. train.lr=3e-5")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    res = run(args)
     rows = [("arm", "first-step loss", "step s, median [min, max]", "BAdam / arm (speed)",
              "forward+loss s", "backward s", "clip+step s")]  # fmt: skip
     rows += [(k, f"{res['first_step_loss'][k]:.4f}", show(s, "{:.3f}"),
               show(res["badam_over_arm"][k], "{:.3f}"), *(f"{p:.3f}" for p in res["parts"][k]))
              for k, s in res["seconds"].items()]  # fmt: skip
-    return (f"block {res['block']} of {res['blocks']} from tokens, batch {res['batch']} x "
+    text = (f"block {res['block']} of {res['blocks']} from tokens, batch {res['batch']} x "
             f"{res['seq']}, fp32, {res['threads']} threads, {res['repeats']} interleaved repeats; "
             f"load {res['load_before']} -> {res['load_after']}\n\n" + headline_table(rows))  # fmt: skip
-
-
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=REAL_MODEL)
-    ap.add_argument("--blocks", type=int, default=3)
-    ap.add_argument("--block", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--set", nargs="+", default=[], help="config overrides")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    res = run(args)
-    publish(res, table(res), args.out, "visit_step")
+    publish(res, text, args.out, "visit_step")
     return res
 
 

@@ -40,52 +40,52 @@ from storage.shard_codec import set_codec_threads
 GPU_BYTES_PER_TOKEN = 4096 * 2  # 7B model, H=4096, bf16
 GPU_TOKENS_PER_S = (10_000, 50_000)
 CODECS = {  # writer_key (preinfer.plan.costmodel's names) -> CacheConfig fields
-    writer_key(c["codec"], c.get("level", 3), c["shuffle"]): c
-    for c in (
-        {"codec": "none", "shuffle": "none"},
-        {"codec": "zstd", "shuffle": "none", "level": 1},
-        {"codec": "blosc-zstd", "shuffle": "byte", "level": 1},
-        {"codec": "blosc-zstd", "shuffle": "byte", "level": 3},  # the default
-        {"codec": "zstd", "shuffle": "none", "level": 3},
+    writer_key(codec, level, shuffle): {"codec": codec, "shuffle": shuffle, "level": level}
+    for codec, shuffle, level in (
+        ("none", "none", 3),
+        ("zstd", "none", 1),
+        ("blosc-zstd", "byte", 1),
+        ("blosc-zstd", "byte", 3),  # the default
+        ("zstd", "none", 3),
     )
 }
 
 
-def synthetic(rows: int, seq: int, hidden: int, seed: int = 0) -> torch.Tensor:
-    """(rows, S, H) bf16: N(0, 1) x a log-normal scale per channel."""
-    g = torch.Generator().manual_seed(seed)
+def synthetic(rows: int, seq: int, hidden: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """(rows, S, H): N(0, 1) x a log-normal scale per channel."""
+    g = torch.Generator().manual_seed(0)
     scale = torch.exp(torch.randn(hidden, generator=g) * 1.0)
-    return (torch.randn(rows, seq, hidden, generator=g) * scale).to(torch.bfloat16)
+    return (torch.randn(rows, seq, hidden, generator=g) * scale).to(dtype)
 
 
-def new_cache(root, fp: str, n: int, seq: int, hidden: int, cfg: CacheConfig, **kw) -> CacheWriter:
-    """A new cache of n rows of (seq, hidden) values, token ids all 0 (no model behind it)."""
+def timed(fn):
+    """(fn(), its wall seconds, this process's CPU seconds: user + system of every thread)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def new_cache(root, fp: str, shape, free_bytes: int | None = None, **cfg) -> CacheWriter:
+    """A new cache of `shape` (n, seq, hidden) values, CacheConfig(**cfg), token ids all 0."""
+    n, seq, hidden = shape
     ids = np.zeros((n, seq), np.int32)
-    return CacheWriter.create(root, fp, seq_len=seq, hidden_size=hidden, cache_cfg=cfg,
+    return CacheWriter.create(root, fp, seq_len=seq, hidden_size=hidden, free_bytes=free_bytes,
                               samples={"sample_id": np.arange(n), "input_ids": ids, "labels": ids},
-                              meta={"bench": True}, **kw)  # fmt: skip
+                              cache_cfg=CacheConfig(**cfg), meta={"bench": True})  # fmt: skip
 
 
-def write_once(root: str, hidden: torch.Tensor, codec: dict, shard_mb: float, mb: int) -> dict:
-    """One cache of `hidden` written through the writer path; wall and CPU seconds."""
-    fp = f"bench-{uuid.uuid4().hex[:12]}"
-    cfg = CacheConfig(dtype="bf16", shard_mb=shard_mb, **codec)
-    w = new_cache(root, fp, *hidden.shape, cfg, free_bytes=1 << 50)
-    t0, c0 = time.perf_counter(), time.process_time()
+def fill(w: CacheWriter, x: torch.Tensor, micro_batch: int | None = None) -> dict:
+    """write_shard of each shard of x, then finalize (the manifest). micro_batch: each shard's
+    rows cut into micro-batches and cat'd, the copy a worker makes of its outputs."""
     for i in range(w.num_shards):
         a, b = w.shard_range(i)
-        # the copy a worker makes: its micro-batch outputs cat'd into one shard tensor
-        w.write_shard(i, torch.cat(hidden[a:b].split(mb)))
-    manifest = w.finalize()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    remove_cache(root, fp)
-    return {"wall_s": wall, "cpu_s": cpu, "ratio": manifest["compression_ratio"]}
+        w.write_shard(i, torch.cat(x[a:b].split(micro_batch)) if micro_batch else x[a:b])
+    return w.finalize()
 
 
 @contextlib.contextmanager
 def moto_server():
-    """The URL of a moto S3 server in its own process on a free local port, with bucket
-    `bench`, while the context lasts."""
+    """The URL of a moto S3 server with bucket `bench`, in its own process on a free port."""
     import boto3
 
     with socket.socket() as s:
@@ -98,11 +98,10 @@ def moto_server():
                           aws_secret_access_key="testing", region_name="us-east-1")  # fmt: skip
     try:
         for _ in range(100):
-            try:
+            with contextlib.suppress(Exception):  # not listening yet
                 client.create_bucket(Bucket="bench")
                 break
-            except Exception:  # noqa: BLE001 -- not listening yet
-                time.sleep(0.1)
+            time.sleep(0.1)
         else:
             raise RuntimeError("moto server did not start")
         yield url
@@ -121,16 +120,22 @@ def run(args) -> dict:
                  "gpu": {"bytes_per_token": GPU_BYTES_PER_TOKEN,
                          "tokens_per_s": list(GPU_TOKENS_PER_S)}, "arms": {}}  # fmt: skip
 
+    cfg = {"dtype": "bf16", "shard_mb": args.shard_mb}
+
     def write(root: str, c: str, n: int) -> dict:
+        """One cache of `hidden` through the writer path, codec c on n encoder threads."""
         set_codec_threads(n)
-        return write_once(root, hidden, CODECS[c], args.shard_mb, args.micro_batch)
+        fp = f"bench-{uuid.uuid4().hex[:12]}"
+        w = new_cache(root, fp, hidden.shape, 1 << 50, **cfg, **CODECS[c])
+        manifest, wall, cpu = timed(lambda: fill(w, hidden, args.micro_batch))
+        remove_cache(root, fp)
+        return {"wall_s": wall, "cpu_s": cpu, "ratio": manifest["compression_ratio"]}
 
     with contextlib.ExitStack() as stack:
         roots = {}
         if "local" in args.targets:
-            roots["local"] = stack.enter_context(
-                tempfile.TemporaryDirectory(prefix="writer-", dir=args.dir)
-            )
+            tmp = tempfile.TemporaryDirectory(prefix="writer-", dir=args.dir)
+            roots["local"] = stack.enter_context(tmp)
         if "s3" in args.targets:
             url = stack.enter_context(moto_server())
             fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
@@ -142,15 +147,14 @@ def run(args) -> dict:
         raw = interleaved(arms, args.repeats)  # after a warm-up: imports, pools, connections
     mb = res["bytes"] / 1e6
     for (t, c, n), outs in raw.items():
-        wall = [mb / o["wall_s"] for o in outs]
         core = [mb / max(o["cpu_s"], 1e-9) for o in outs]
-        per_core = statistics.median(core)
         res["arms"][f"{t} | {c} | {n}"] = {
             "target": t, "codec": c, "threads": n,
-            "mb_s": spread(wall), "mb_per_core_s": spread(core),
+            "mb_s": spread([mb / o["wall_s"] for o in outs]), "mb_per_core_s": spread(core),
             "cpu_per_wall": statistics.median(o["cpu_s"] / o["wall_s"] for o in outs),
             "ratio": outs[0]["ratio"],
-            "cores_per_gpu": [GPU_BYTES_PER_TOKEN * k / 1e6 / per_core for k in GPU_TOKENS_PER_S],
+            "cores_per_gpu": [GPU_BYTES_PER_TOKEN * k / 1e6 / statistics.median(core)
+                              for k in GPU_TOKENS_PER_S],
         }  # fmt: skip
     res["load_after"] = load_average()
     return res

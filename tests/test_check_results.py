@@ -97,3 +97,31 @@ def test_too_many_rows_fail():
     line = "| " + " | ".join(row.values()) + " |"
     problems = check_results.check(_table(*[line] * (check_results.MAX_ROWS + 1)))
     assert f"at most {check_results.MAX_ROWS}" in problems[0]
+
+
+def test_a_second_table_with_a_result_per_data_set(tmp_path):
+    """A table may hold one result column per data set: each cell one number in the row's
+    files, and the status "met K of N" where some meet the target; every table's rows count
+    towards MAX_ROWS."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "bench" / "results" / PEERS, tmp_path / "bench" / "results" / PEERS)
+    (tmp_path / "docs" / "economics.md").write_text(f"# E\n\n## Issue #41: the lever\n\n{PEERS}\n")
+    src = f"[economics.md](docs/economics.md#issue-41-the-lever), [json](bench/results/{PEERS})"
+    head = "| measure | result, set a | result, set b | seeds | target | status | doc |\n"
+    head += "|---|---|---|---|---|---|---|\n"
+
+    def readme(*rows: str) -> str:
+        first = _row("bcd peak RSS / LoRA's", "1.233", "1 seed", "≤ 1.0", "missed", src)
+        second = head + "".join(r + "\n" for r in rows)
+        return _table(first).replace("\n## Next\n", "\n" + second + "\n## Next\n")
+
+    def row(a: str, b: str, status: str) -> str:
+        return f"| two sets | {a} | {b} | 1 seed | ≤ 1.2 | {status} | {src} |"
+
+    assert check_results.check(readme(row("1.134", "1.233", "met 1 of 2")), tmp_path) == []
+    assert len(check_results.rows(readme(row("1.134", "1.233", "met 1 of 2")))) == 2
+    problems = check_results.check(readme(row("1.134", "1.233", "met")), tmp_path)
+    assert len(problems) == 1 and "is met 1 of 2" in problems[0] and problems[0].startswith("row 2")
+    problems = check_results.check(readme(row("1.134", "1.777", "met 1 of 2")), tmp_path)
+    assert len(problems) == 1 and "1.777 is in none of" in problems[0]
