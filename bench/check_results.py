@@ -122,8 +122,9 @@ def check_row(row: dict[str, str], root: Path) -> list[str]:
     figures = []
     for key in (k for k in row if k.startswith("result")):
         result = row[key].replace("*", "")
-        figures += NUM.findall(result)
-        if len(NUM.findall(result)) > 1 or not (NUM.findall(result) or "not reached" in result):
+        found = NUM.findall(result)
+        figures += found
+        if len(found) > 1 or not (found or "not reached" in result):
             out.append(f"result cell {result!r}: one number (or 'not reached') per cell")
     for fig in figures:
         if loaded and not any(rounds_to(v, fig) for vs, _, _ in loaded for v in vs):

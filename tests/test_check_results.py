@@ -24,6 +24,15 @@ def _row(measure: str, result: str, seeds: str, target: str, status: str, src: s
     return f"| {measure} | {result} | {seeds} | {target} | {status} | {src} |"
 
 
+def _peers_root(root: Path) -> str:
+    """A repo root holding PEERS and a doc that names it; the row's doc and results cell."""
+    (root / "docs").mkdir()
+    (root / "bench" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "bench" / "results" / PEERS, root / "bench" / "results" / PEERS)
+    (root / "docs" / "economics.md").write_text(f"# E\n\n## Issue #41: the lever\n\n{PEERS}\n")
+    return f"[economics.md](docs/economics.md#issue-41-the-lever), [json](bench/results/{PEERS})"
+
+
 def test_the_readme_results_agree_with_their_files(capsys):
     assert check_results.check(README) == []
     assert check_results.run([]) == 0
@@ -61,11 +70,7 @@ def test_a_missing_results_file_fails_naming_its_row(tmp_path):
 def test_a_peers_row_met_missed_and_seed_counts(tmp_path):
     """A row on a peers JSON (the #41 row's kind); the status must follow the figure and the
     target; a median over fewer than half the seeds reached is 'not reached'."""
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "bench" / "results").mkdir(parents=True)
-    shutil.copy(ROOT / "bench" / "results" / PEERS, tmp_path / "bench" / "results" / PEERS)
-    (tmp_path / "docs" / "economics.md").write_text(f"# E\n\n## Issue #41: the lever\n\n{PEERS}\n")
-    src = f"[economics.md](docs/economics.md#issue-41-the-lever), [json](bench/results/{PEERS})"
+    src = _peers_root(tmp_path)
     lora = "bcd val loss at LoRA's wall-clock / LoRA's final"
     good = _row(lora, "**1.134**", "1 of 1 reached", "≤ 1.0", "missed", src)
     assert check_results.check(_table(good), tmp_path) == []
@@ -103,11 +108,7 @@ def test_a_second_table_with_a_result_per_data_set(tmp_path):
     """A table may hold one result column per data set: each cell one number in the row's
     files, and the status "met K of N" where some meet the target; every table's rows count
     towards MAX_ROWS."""
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "bench" / "results").mkdir(parents=True)
-    shutil.copy(ROOT / "bench" / "results" / PEERS, tmp_path / "bench" / "results" / PEERS)
-    (tmp_path / "docs" / "economics.md").write_text(f"# E\n\n## Issue #41: the lever\n\n{PEERS}\n")
-    src = f"[economics.md](docs/economics.md#issue-41-the-lever), [json](bench/results/{PEERS})"
+    src = _peers_root(tmp_path)
     head = "| measure | result, set a | result, set b | seeds | target | status | doc |\n"
     head += "|---|---|---|---|---|---|---|\n"
 
