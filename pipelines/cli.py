@@ -247,7 +247,7 @@ def _referenced(run_dirs: list[str]) -> set[str]:
 
 
 def _cache(args, cfg: Config) -> int:
-    """`preinfer cache ...`: build/refresh, and the storage tools (storage/cache_cache_tools.py)."""
+    """`preinfer cache ...`: build/refresh, and the storage tools (storage/cache_tools.py)."""
     cmd = args.cache_cmd
     if getattr(args, "fingerprint", None) is not None:
         check_fingerprint(args.fingerprint)
