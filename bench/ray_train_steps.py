@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import shutil
 import statistics
@@ -25,13 +24,13 @@ from bench.arms import prepare
 from bench.harness import headline_table, load_average, publish, quiet
 from pipelines.cache_build import build_cache
 from pipelines.train import run_train
+from preinfer.runtime.metrics import read_metrics
 
 
 def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float, float]:
     """(tokens/s, median step seconds past the first two by metrics.jsonl's clock, wall-clock
     seconds of the whole run_train call)."""
-    metrics = Path(cfg.run.dir) / "metrics.jsonl"
-    seen = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    seen = len(read_metrics(cfg.run.dir))
     if ray_address:
         os.environ["RAY_ADDRESS"] = ray_address
     try:
@@ -40,8 +39,7 @@ def _visit(cfg, block: int, ray_address: str | None) -> tuple[float, float, floa
         wall = time.perf_counter() - t0
     finally:
         os.environ.pop("RAY_ADDRESS", None)
-    recs = [json.loads(x) for x in metrics.read_text().splitlines()[seen:]]
-    t = [r["time"] for r in recs if r.get("event") == "step"]
+    t = [r["time"] for r in read_metrics(cfg.run.dir)[seen:] if r.get("event") == "step"]
     gaps = [b - a for a, b in zip(t[2:-1], t[3:], strict=True)]
     return summary["tokens_per_s"], statistics.median(gaps or [float("nan")]), wall
 

@@ -77,7 +77,7 @@ from storage.tokens import TokenStore, TokenStoreError
 def _event(cfg: Config, state: dict, **rec) -> None:
     rec = {"time": time.time(), **rec}
     state["events"].append(rec)
-    append_metrics(cfg, {"event": "cache", **rec})
+    append_metrics(cfg.run.dir, {"event": "cache", **rec}, tensorboard=cfg.run.tensorboard)
 
 
 def ensure_cache(
@@ -247,7 +247,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
         ):
             # killed after the visit committed its block but before state.json said so
             finish_committed(cfg, r, k, mode)
-            state["visits"][key] = {**last_visit_summary(cfg), "cache": pending["cache"]}
+            state["visits"][key] = {**last_visit_summary(cfg.run.dir), "cache": pending["cache"]}
             state["pending"] = None
             state["checkpoint"] = checkpoint_record(Checkpoint.open(cfg.run.checkpoint))
             save_run_state(cfg.run.dir, state)

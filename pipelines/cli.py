@@ -23,9 +23,9 @@ from pipelines.report import run_report
 from pipelines.tokenize import run_tokenize
 from pipelines.train import run_train_by_hand
 from preinfer.checkpoint.format import CheckpointError
-from preinfer.plan.report import add_plan_arguments, run_plan
 from preinfer.run.config import Config, load_config
 from preinfer.run.lock import check_writable, run_lock
+from preinfer.run.plan_report import add_plan_arguments, run_plan
 from storage import cache_tools
 from storage.layout import CacheError, check_fingerprint
 from storage.tokens import TokenStoreError

@@ -64,7 +64,9 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
         "seconds": time.perf_counter() - t0,
         "checkpoint": ckpt.prefix_hash(M),
     }
-    append_metrics(cfg, {"event": "eval", **res, "time": time.time()})
+    append_metrics(
+        cfg.run.dir, {"event": "eval", **res, "time": time.time()}, tensorboard=cfg.run.tensorboard
+    )
     log(
         f"eval: {split} loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} "
         f"over {res['tokens']:,} tokens (objective: {res['objective']}{NOTE[res['targets']]})"

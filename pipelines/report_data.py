@@ -1,6 +1,6 @@
 """What `preinfer report` reads from a run, gathered as plain data (pipelines/report.py).
 
-`read_metrics` parses metrics.jsonl (de-duplicated: the later record of a step or visit wins);
+`group_metrics` groups metrics.jsonl by visit (the later record of a step or visit wins);
 `collect` joins it with state.json, the checkpoint index, the token store manifest and the cache
 manifests still on disk into the one dict the plots (pipelines/report_plots.py) and the summary
 (pipelines/report_summary.py) draw from. Reads only; no Ray, no torch, no matplotlib.
@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from preinfer.run.config import Config
+from preinfer.runtime.metrics import METRICS, read_metrics
 from storage import fs
 from storage.layout import FP_RE
 
@@ -26,14 +27,14 @@ def _ppl(loss) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def read_metrics(path: str | Path) -> dict:
-    """Parse metrics.jsonl into ordered, de-duplicated records.
+def group_metrics(run_dir: str | Path) -> dict:
+    """The run's metrics.jsonl records (runtime.metrics.read_metrics), grouped and de-duplicated.
 
     Returns {"steps": {visit_key: [step records by step]}, "visits": {visit_key: visit record},
     "order": [visit_key in first-seen order], "cache": [...], "eval": [...]} where visit_key is
     (mode, round, block). A later step or visit record with the same key replaces an earlier one
     (steps redone after a resume, a visit rerun)."""
-    path = Path(path)
+    path = Path(run_dir) / METRICS
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} does not exist: nothing to report (run `preinfer bcd` or `preinfer train` first)"
@@ -42,16 +43,7 @@ def read_metrics(path: str | Path) -> dict:
     visits: dict[tuple, dict] = {}
     order: list[tuple] = []
     cache, evals = [], []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            # a process killed mid-write leaves at most a torn last line: skip it
-            continue
-        if not isinstance(rec, dict):
-            continue
+    for rec in read_metrics(run_dir):
         ev = rec.get("event")
         if ev in ("step", "visit"):
             key = (rec.get("mode", "bcd"), int(rec.get("round", 0)), int(rec.get("block", 0)))
@@ -59,7 +51,7 @@ def read_metrics(path: str | Path) -> dict:
                 steps[key] = {}
                 order.append(key)
             if ev == "step":
-                steps[key][int(rec["step"])] = {**rec, "_line": n}
+                steps[key][int(rec["step"])] = rec
             else:
                 visits[key] = rec
         elif ev == "cache":
@@ -106,7 +98,7 @@ def _visit_key_str(key: tuple) -> str:
 def collect(cfg: Config) -> dict:
     """Everything the plots and the summary need, as plain data (also returned by run_report)."""
     run = Path(cfg.run.dir)
-    m = read_metrics(run / "metrics.jsonl")
+    m = group_metrics(run)
     state = _read_json(run / "state.json") or {}
     ckpt = _read_json(fs.path(cfg.run.checkpoint) / "checkpoint.json")
     tokens = _read_json(fs.path(cfg.data.out_dir) / "manifest.json") or {}

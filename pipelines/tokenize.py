@@ -33,13 +33,13 @@ from tqdm import tqdm
 from core.config import ConfigError
 from core.fingerprint import chain, file_hash
 from preinfer.data.chat import ChatTemplate
+from preinfer.data.config import DataConfig
 from preinfer.data.corpus import CorpusError, RowStats
 from preinfer.data.packing import MASK_REPLACE, MlmPacker, Packer, PairPacker
 from preinfer.data.tokenization import (
     BATCH_CHARS,
     LOOSE_PIECE_CHARS,
     PIECE_CHARS,
-    DataConfig,
     encode_ids,
     eos_id,
     exact_pieces,

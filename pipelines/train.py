@@ -202,7 +202,7 @@ def run_train(
     )
     trainer.fit()
     # rank 0 appended the visit's summary to metrics.jsonl; Ray Train's own metrics are flat
-    return last_visit_summary(cfg)
+    return last_visit_summary(cfg.run.dir)
 
 
 def run_train_by_hand(cfg: Config, block: int, round_: int, *, mode: str | None = None) -> dict:

@@ -7,8 +7,9 @@ Its sub-packages, bottom to top (each imports only those before it; tests/test_l
     checkpoint/  the checkpoint's store and format, the initial checkpoint, optimizer state, export
     train/       how one block is trained: train.*, the optimizer step, batches, suffix adapters
     schedule/    which block reads which rows when: the rotation, VisitPlan, the cache identity
-    plan/        what a run costs and whether it fits: memory, cost model, guards, report
-    run/         a run: the root config, a visit's loop and its state, the run dir's lock and state
+    plan/        what a run costs and whether it fits: memory, cost model, guards, writer budget
+    run/         a run: the root config, a visit's loop and its state, the run dir's lock and
+                 state, the `preinfer plan` report
 
 Public surface:
 

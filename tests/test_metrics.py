@@ -10,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pipelines.eval import run_eval
 from preinfer.run.visit import Visit, VisitSpec
+from preinfer.runtime.metrics import append_metrics, last_visit_summary, read_metrics
 from tests.pipeline_fixtures import quiet
 
 
@@ -36,3 +37,18 @@ def test_tensorboard_off(tiny_run):
     Visit(cfg, VisitSpec(block=0, mode="bcd"), device=torch.device("cpu")).run(log=quiet)
     assert Path(cfg.run.dir, "metrics.jsonl").is_file()
     assert not Path(cfg.run.dir, "tensorboard").exists()
+
+
+def test_a_line_torn_by_a_kill_costs_no_later_record(tmp_path):
+    """A kill mid-append leaves a last line without its end: the next record still gets a line
+    of its own, and every reader (the resume's last_visit_summary, plan, report) skips the torn
+    one instead of failing on it."""
+    append_metrics(tmp_path, {"event": "visit", "block": 0})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"event": "visit", "block": 1, "lo')
+    append_metrics(tmp_path, {"event": "visit", "block": 2})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2]) == {"event": "visit", "block": 2}
+    assert [r["block"] for r in read_metrics(tmp_path)] == [0, 2]
+    assert last_visit_summary(tmp_path) == {"event": "visit", "block": 2}
+    assert read_metrics(tmp_path / "none") == [] and last_visit_summary(tmp_path / "none") == {}

@@ -13,8 +13,9 @@ import pytest
 import ray
 
 from pipelines.ray_env import ensure_ray
+from preinfer.data.config import DataConfig
 from preinfer.data.corpus import CorpusError
-from preinfer.data.tokenization import DataConfig, iter_documents
+from preinfer.data.tokenization import iter_documents
 
 
 def test_hf_source_is_offline_even_when_the_environment_says_online(monkeypatch, tmp_path):

@@ -244,7 +244,7 @@ def test_bad_pair_inputs_are_clear_errors_and_write_nothing(tmp_path, extra, nee
 
 
 def test_bad_template_and_text_files_are_clear_errors(tmp_path):
-    from preinfer.data.tokenization import DataConfig
+    from preinfer.data.config import DataConfig
 
     with pytest.raises(ConfigError, match="prompt_template is not a valid template"):
         DataConfig(format="prompt_response", prompt_template="{instruction")

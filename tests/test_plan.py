@@ -1,4 +1,4 @@
-"""The planner (preinfer/plan/report.py) and the resource guards (preinfer/plan/guards.py).
+"""The planner (preinfer/run/plan_report.py) and the resource guards (preinfer/plan/guards.py).
 
 Fast tests: the saved-activation counts against autograd itself, the paper's fit findings on
 its model shapes (meta device, arithmetic only), the guards with injected disk/device figures,
@@ -22,13 +22,13 @@ from core.config import ConfigError
 from preinfer.model.partition import partition_layers
 from preinfer.model.shape import model_shape
 from preinfer.plan import memory
-from preinfer.plan import report as plan
 from preinfer.plan.guards import (
     DiskSpaceError,
     check_disk_for_boundary,
     check_disk_for_rotation,
     warn_trainer_memory,
 )
+from preinfer.run import plan_report as plan
 from preinfer.run.config import load_config
 from preinfer.schedule.rotation import store_budget, visit_budget
 from tests.conftest import tiny_model_config
@@ -452,7 +452,7 @@ def test_planner_prices_bcd_with_our_measured_multipliers():
     import json
     from pathlib import Path
 
-    from preinfer.plan.report import MEASURED_BF, PAPER_BF, step_multipliers
+    from preinfer.run.plan_report import MEASURED_BF, PAPER_BF, step_multipliers
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results"
     for (arch, tied, _m), (avg, worst, name) in MEASURED_BF.items():
@@ -474,7 +474,7 @@ def test_the_reported_memory_accuracy_is_what_its_results_files_hold():
     import json
     from pathlib import Path
 
-    from preinfer.plan.report import MEMORY_ACCURACY
+    from preinfer.run.plan_report import MEMORY_ACCURACY
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results"
     for kind, (lo, hi, name) in MEMORY_ACCURACY.items():
@@ -485,8 +485,8 @@ def test_the_reported_memory_accuracy_is_what_its_results_files_hold():
 
 
 def test_plan_report_names_where_its_multipliers_come_from(tmp_path):
-    from preinfer.plan.report import PlanOptions, build_plan, format_plan
     from preinfer.run.config import load_config
+    from preinfer.run.plan_report import PlanOptions, build_plan, format_plan
 
     cfg = load_config("configs/demo.yaml", [f"run.dir={tmp_path}/run", "partition.num_blocks=3"])
     c = build_plan(cfg, PlanOptions(samples=1000))["cost"]

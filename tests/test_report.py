@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.report import PLOTS, run_report
-from pipelines.report_data import read_metrics
+from pipelines.report_data import group_metrics
 from preinfer.run.config import load_config
 from tests.pipeline_fixtures import quiet
 
@@ -184,7 +184,7 @@ def test_report_synthetic_run(tmp_path):
     assert res["num_step_records"] == ROUNDS * M * STEPS
     assert res["timings"]["cache_counts"] == {"built": 2, "refreshed": 2}
     assert res["timings"]["cache_seconds"] == {"built": 4.0, "refreshed": 2.0}
-    m = read_metrics(run / "metrics.jsonl")
+    m = group_metrics(run)
     r0b1 = m["steps"][("bcd", 0, 1)]
     assert [s["step"] for s in r0b1] == list(range(1, STEPS + 1))
     assert [s["loss"] for s in r0b1] == [expect["steps"][(0, 1)][s] for s in range(1, STEPS + 1)]

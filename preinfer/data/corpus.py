@@ -17,9 +17,7 @@ preinfer.data.tokenization.DataConfig (that module reads the corpus through this
 
 from __future__ import annotations
 
-import functools
 import json
-import string
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from core.config import ConfigError
+from preinfer.data.config import DataConfig, template_columns, template_fields
 
 BAD_ROWS_LIMIT = 0.01  # data.on_bad_rows=error: more than this share of bad rows is refused
 EXAMPLES = 3  # places of bad rows named in the log, the manifest and the error
@@ -135,30 +134,7 @@ class RowStats:
         return out
 
 
-@functools.cache
-def template_columns(template: str) -> tuple[str, ...]:
-    return tuple(template_fields(template))
-
-
-def template_fields(template: str) -> list[str]:
-    """Column names a prompt_template refers to (`{name}`), in order of appearance."""
-    try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as e:
-        raise ConfigError(
-            f"data.prompt_template is not a valid template ({e}); write columns as {{name}} and "
-            "literal braces as {{{{ and }}}}"
-        ) from None
-    bad = [n for n in names if not n or n.isdigit() or any(c in n for c in ".[]")]
-    if bad or not names:
-        raise ConfigError(
-            f"data.prompt_template must name columns as {{column}} (found {bad or 'none'}); e.g. "
-            "'{instruction}\\n{input}\\n### Response:\\n'"
-        )
-    return list(dict.fromkeys(names))
-
-
-def columns(cfg, text_field: str) -> dict[str, str]:
+def columns(cfg: DataConfig, text_field: str) -> dict[str, str]:
     """{column: the config key naming it} of the columns a row must have."""
     if cfg.chat:
         return {cfg.messages_field: "data.messages_field"}
@@ -213,7 +189,7 @@ def _turns(value, name: str) -> tuple[tuple[str, str], ...] | str:
     return tuple(turns)
 
 
-def _document(row: dict, doc_id: str, where: str, cfg, text_field: str,
+def _document(row: dict, doc_id: str, where: str, cfg: DataConfig, text_field: str,
               stats: RowStats) -> Document | None:  # fmt: skip
     """The document (pair, conversation) of one row; None for a row skipped (counted in stats)."""
     if cfg.chat:
@@ -249,7 +225,7 @@ def _document(row: dict, doc_id: str, where: str, cfg, text_field: str,
     return None if response is None else Document(doc_id, prompt, response)
 
 
-def iter_rows(rows: Iterable[tuple[str, dict]], cfg, label: str, stats: RowStats | None = None,
+def iter_rows(rows: Iterable[tuple[str, dict]], cfg: DataConfig, label: str, stats: RowStats | None = None,
               *, columns_known=None, text_field=None) -> Iterator[Document]:  # fmt: skip
     """Documents of `rows`, (where, row dict) pairs ("a.jsonl line 3", {...}). columns_known:
     the column names when known up front (checked first); else a column no row holds is an
@@ -358,7 +334,7 @@ def _parquet_rows(f: Path, names: list[str]) -> Iterator[tuple[str, dict]]:
             i += 1
 
 
-def _read_file(f: Path, cfg, stats: RowStats) -> Iterator[Document]:
+def _read_file(f: Path, cfg: DataConfig, stats: RowStats) -> Iterator[Document]:
     kind, label = FORMATS[f.suffix], f.name
     if kind == "text":
         if cfg.pairs or cfg.chat:
@@ -384,7 +360,9 @@ def _read_file(f: Path, cfg, stats: RowStats) -> Iterator[Document]:
         yield from iter_rows(_parquet_rows(f, need), cfg, label, stats, columns_known=names)
 
 
-def iter_local(paths: list[str], cfg, stats: RowStats | None = None) -> Iterator[Document]:
+def iter_local(
+    paths: list[str], cfg: DataConfig, stats: RowStats | None = None
+) -> Iterator[Document]:
     """Local files, streamed (a text file is one document; jsonl/parquet rows are read a line
     or a batch at a time). An empty file named alone is an error; inside a directory it is
     skipped and counted (stats.empty_files), unless every file is empty."""

@@ -22,7 +22,7 @@ element counts of what autograd keeps for the HF layer implementations with a fu
 (no S x S matrix), checked against `saved_tensors_hooks` in tests/test_plan.py. Measured
 (CPU only, see the constants below): fixed runtime overhead and the host-side I/O and
 allocator factors. Assumed (GPU): the CUDA context reserve; no GPU was available to validate.
-FLOPs per step (for the cost estimate in preinfer.plan.report) live here too.
+FLOPs per step (for the cost estimate in preinfer.run.plan_report) live here too.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Literal
 
 from core.config import ConfigError, apply_override, from_dict, load_yaml, to_dict
-from preinfer.data.tokenization import DataConfig, resolve_objective
+from preinfer.data.config import DataConfig
+from preinfer.data.tokenization import resolve_objective
 from preinfer.model.modeling import ModelConfig
 from preinfer.model.partition import PartitionConfig
 from preinfer.schedule.cache_identity import PreinferConfig

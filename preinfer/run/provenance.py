@@ -21,7 +21,8 @@ import os
 from dataclasses import fields
 
 from core.config import ConfigError, to_dict
-from preinfer.data.tokenization import DataConfig, check_objective
+from preinfer.data.config import DataConfig
+from preinfer.data.tokenization import check_objective
 from preinfer.model.modeling import ModelConfig
 from preinfer.run.config import Config
 

@@ -380,7 +380,7 @@ class Visit:
                 else:
                     bad += 1
             if self.rank == 0:
-                append_metrics(cfg, rec)
+                append_metrics(cfg.run.dir, rec, tensorboard=cfg.run.tensorboard)
             if tc.patience and bad >= tc.patience:
                 stopped = "early_stop"
                 break
@@ -430,7 +430,7 @@ class Visit:
         if self.rank == 0:
             # summary first: a kill after the commit leaves bcd's pending branch this visit's
             # summary to record (a rerun of an uncommitted visit appends a newer one)
-            append_metrics(cfg, summary)
+            append_metrics(cfg.run.dir, summary, tensorboard=cfg.run.tensorboard)
             self.commit(opt)
             faults.kill_point("visit.committed")
             drop_state(spath)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
+
+METRICS = "metrics.jsonl"
 
 _writers: dict[str, object] = {}  # run dir -> SummaryWriter (one per process and run)
 _steps: dict[str, int] = {}  # run dir -> step records written by this process
@@ -21,27 +24,40 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def append_metrics(cfg, record: dict) -> None:
-    """One record to <run.dir>/metrics.jsonl (the source of truth), and its numbers to
-    TensorBoard under <run.dir>/tensorboard when run.tensorboard is on."""
-    path = Path(cfg.run.dir) / "metrics.jsonl"
+def append_metrics(run_dir: str | Path, record: dict, *, tensorboard: bool = False) -> None:
+    """One record to <run_dir>/metrics.jsonl (the source of truth), and its numbers to
+    TensorBoard under <run_dir>/tensorboard when `tensorboard` (run.tensorboard). A last line
+    left torn by a kill is ended first, so this record gets a line of its own."""
+    path = Path(run_dir) / METRICS
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if cfg.run.tensorboard:
-        _tensorboard(cfg, record)
+    with open(path, "a+b") as f:
+        torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+        f.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
+    if tensorboard:
+        _tensorboard(run_dir, record)
 
 
-def last_visit_summary(cfg) -> dict:
-    """The newest "visit" record of the run's metrics.jsonl ({} if none)."""
-    last: dict = {}
-    path = Path(cfg.run.dir) / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Every record of <run_dir>/metrics.jsonl in order ([] when it does not exist). A line that
+    is not a JSON object (a write torn by a kill) is skipped."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
             rec = json.loads(line)
-            if rec.get("event") == "visit":
-                last = rec
-    return last
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def last_visit_summary(run_dir: str | Path) -> dict:
+    """The newest "visit" record of the run's metrics.jsonl ({} if none)."""
+    visits = [r for r in read_metrics(run_dir) if r.get("event") == "visit"]
+    return visits[-1] if visits else {}
 
 
 def close_writers(run_dir) -> None:
@@ -53,14 +69,14 @@ def close_writers(run_dir) -> None:
         w.close()
 
 
-def _tensorboard(cfg, record: dict) -> None:
+def _tensorboard(run_dir: str | Path, record: dict) -> None:
     if not tensorboard_available():
         return
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-    key = str(Path(cfg.run.dir))
+    key = str(Path(run_dir))
     if key not in _writers:
-        _writers[key] = SummaryWriter(log_dir=str(Path(cfg.run.dir) / "tensorboard"))
+        _writers[key] = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
     w = _writers[key]
     t = record.get("time")
     ev = record.get("event")

@@ -27,6 +27,8 @@ from preinfer.plan.memory import (
     trainer_memory,
 )
 from preinfer.plan.writer_budget import format_writer, writer_plan
+from preinfer.run.config import Config
+from preinfer.runtime.metrics import read_metrics
 from preinfer.schedule.rotation import visit_budget
 from preinfer.schedule.visit_plan import plan_visit
 from storage.layout import free_disk_bytes
@@ -169,23 +171,21 @@ def _card(name: str, mem=None, peak=None, price=None, precision="fp32"):
     return (mem if mem is not None else m) * GiB, peaks, (price if price is not None else pr)
 
 
-def measured_times(cfg) -> dict:
+def measured_times(cfg: Config) -> dict:
     """Seconds per global token of the latest visits in <run.dir>/metrics.jsonl, per stage."""
-    import json
-    from pathlib import Path
-
-    path, out = Path(cfg.run.dir) / "metrics.jsonl", {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            ok = rec.get("event") == "visit" and rec.get("tokens_per_s")
-            if ok and rec["mode"] in ("full", "bcd"):
-                key = "full" if rec["mode"] == "full" else f"bcd {rec['block']}"
-                out[key] = 1.0 / rec["tokens_per_s"]
+    out = {}
+    for rec in read_metrics(cfg.run.dir):
+        if (
+            rec.get("event") == "visit"
+            and rec.get("tokens_per_s")
+            and rec.get("mode") in ("full", "bcd")
+        ):
+            key = "full" if rec["mode"] == "full" else f"bcd {rec['block']}"
+            out[key] = 1.0 / rec["tokens_per_s"]
     return out
 
 
-def _n_samples(cfg, o: PlanOptions, seq: int) -> tuple[int | None, int | None, str]:
+def _n_samples(cfg: Config, o: PlanOptions, seq: int) -> tuple[int | None, int | None, str]:
     """(train, val) samples and where they came from: --samples/--tokens, else the token store."""
 
     if o.samples or o.tokens:
@@ -199,7 +199,7 @@ def _n_samples(cfg, o: PlanOptions, seq: int) -> tuple[int | None, int | None, s
     return None, None, "unknown (tokenize first, or pass --samples / --tokens)"
 
 
-def build_plan(cfg, o: PlanOptions) -> dict:
+def build_plan(cfg: Config, o: PlanOptions) -> dict:
     """The whole plan as plain data (what --json prints)."""
 
     if o.cards < 1 or o.mfu <= 0 or (o.precision and o.precision not in PRECISIONS):
@@ -250,7 +250,7 @@ def build_plan(cfg, o: PlanOptions) -> dict:
     return plan
 
 
-def _cache(cfg, o, sh, S, M, n_tr, n_val) -> dict:
+def _cache(cfg: Config, o: PlanOptions, sh, S, M, n_tr, n_val) -> dict:
 
     free = o.free_disk * GiB if o.free_disk is not None else free_disk_bytes(cfg.cache.root)
     if n_tr is None:
@@ -264,7 +264,7 @@ def _cache(cfg, o, sh, S, M, n_tr, n_val) -> dict:
             "free": free, "fits": alive * per["expected"] <= free}  # fmt: skip
 
 
-def _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
+def _cost(cfg: Config, o: PlanOptions, sh, part, p, plan, peak, price, n_tr, n_val) -> dict:
     """steps x time per step x cards x price, full vs BCD, same card; optionally full on another."""
     M, tok = part.num_blocks, p.batch * o.cards * p.seq  # tokens per global step
     fl = Flops(sh=sh, part=part, seq=p.seq)
@@ -360,7 +360,7 @@ def format_plan(plan: dict) -> str:
         f"{st['precision']}, {st['optimizer']}; {st['batch']} x {st['seq']} tokens per card "
         f"(global batch {st['global_batch']}); activation recompute "
         f"{'on (what-if)' if st['act_recompute'] else 'off'}",
-        f"memory estimated per card, GiB ({where}; see preinfer/plan/report.py)",
+        f"memory estimated per card, GiB ({where}; see preinfer/run/plan_report.py)",
         "",
         f"{'stage':36s} {'weights':>8s} {'grads':>7s} {'optim':>7s} {'activ':>7s} "
         f"{'host io':>8s} {'runtime':>8s} {'PEAK':>8s}  phase     fits",
@@ -452,7 +452,7 @@ def format_plan(plan: dict) -> str:
     return "\n".join(out)
 
 
-def run_plan(cfg, args) -> int:
+def run_plan(cfg: Config, args) -> int:
     """`preinfer plan`: options from argparse (see add_plan_arguments), print, exit code 0."""
     import dataclasses
     import json
