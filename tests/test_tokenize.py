@@ -15,6 +15,7 @@ from preinfer.data.tokenization import is_val, iter_documents
 from preinfer.run.config import load_config
 from preinfer.train.batches import TokenBatches
 from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter
+from tests.pipeline_fixtures import quiet
 
 SMALL = [
     "data.max_documents=40",
@@ -28,10 +29,6 @@ SMALL = [
 
 def cfg_for(tmp_path, *extra):
     return load_config("configs/demo.yaml", [f"run.dir={tmp_path}", *SMALL, *extra])
-
-
-def quiet(*a, **k):
-    pass
 
 
 def test_tokenize_is_deterministic_and_rerun_does_nothing(tmp_path):
