@@ -171,10 +171,10 @@ def _card(name: str, mem=None, peak=None, price=None, precision="fp32"):
     return (mem if mem is not None else m) * GiB, peaks, (price if price is not None else pr)
 
 
-def measured_times(cfg: Config) -> dict:
+def measured_times(run_dir: str) -> dict:
     """Seconds per global token of the latest visits in <run.dir>/metrics.jsonl, per stage."""
     out = {}
-    for rec in read_metrics(cfg.run.dir):
+    for rec in read_metrics(run_dir):
         if (
             rec.get("event") == "visit"
             and rec.get("tokens_per_s")
@@ -268,7 +268,7 @@ def _cost(cfg: Config, o: PlanOptions, sh, part, p, plan, peak, price, n_tr, n_v
     """steps x time per step x cards x price, full vs BCD, same card; optionally full on another."""
     M, tok = part.num_blocks, p.batch * o.cards * p.seq  # tokens per global step
     fl = Flops(sh=sh, part=part, seq=p.seq)
-    measured = {} if o.flops_only else measured_times(cfg)
+    measured = {} if o.flops_only else measured_times(cfg.run.dir)
     steps = o.steps or cfg.train.max_steps * cfg.train.rounds * M
 
     def step_time(key, flops, cards, peak_):
