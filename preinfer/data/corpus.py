@@ -225,8 +225,15 @@ def _document(row: dict, doc_id: str, where: str, cfg: DataConfig, text_field: s
     return None if response is None else Document(doc_id, prompt, response)
 
 
-def iter_rows(rows: Iterable[tuple[str, dict]], cfg: DataConfig, label: str, stats: RowStats | None = None,
-              *, columns_known=None, text_field=None) -> Iterator[Document]:  # fmt: skip
+def iter_rows(
+    rows: Iterable[tuple[str, dict]],
+    cfg: DataConfig,
+    label: str,
+    stats: RowStats | None = None,
+    *,
+    columns_known=None,
+    text_field=None,
+) -> Iterator[Document]:
     """Documents of `rows`, (where, row dict) pairs ("a.jsonl line 3", {...}). columns_known:
     the column names when known up front (checked first); else a column no row holds is an
     error at the end (nothing of it was yielded), and no row at all is an _EmptyFile."""
