@@ -26,8 +26,8 @@ from preinfer.checkpoint.format import CheckpointError
 from preinfer.run.config import Config, load_config
 from preinfer.run.lock import check_writable, run_lock
 from preinfer.run.plan_report import add_plan_arguments, run_plan
-from storage import cache_tools
-from storage.layout import CacheError, check_fingerprint
+from storage import cache_tools, fs
+from storage.layout import FP_RE, CacheError, check_fingerprint
 from storage.tokens import TokenStoreError
 
 MODES = ("bcd", "full", "bcd-recompute")
@@ -71,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="the checkpoint + tokenizer as a Hugging Face transformers directory"
     )
     _common(p)
-    p.add_argument("--out", required=True, help="directory to write (created; must be empty)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
+    p.add_argument(
+        "--out", required=True, help="directory to write (created; empty; outside the run's dirs)"
+    )
+    p.add_argument("--force", action="store_true", help="replace a previous export at --out")
 
     p = sub.add_parser(
         "demo", help="the whole pipeline on the built-in corpus, printing what it did"
@@ -236,13 +238,42 @@ def _cmd_cache(args) -> int:
     return _cache(args, _load(args))
 
 
-def _referenced(run_dirs: list[str]) -> set[str]:
-    """Fingerprints that the runs' state files say are in use."""
+def _referenced(run_dirs: list[str], named: bool = True) -> set[str]:
+    """Fingerprints that the runs' state files say are in use. Refuses (ConfigError: gc then
+    removes nothing) a run.dir that has no state.json (named: a --run, so a typo, not a run),
+    one whose state.json does not parse, or whose caches_in_use is not a list of
+    fingerprints: its caches could not be kept. The config's run.dir (named=False) may have
+    none (a run that never ran bcd: no caches in use)."""
     keep: set[str] = set()
     for d in run_dirs:
         p = Path(d) / "state.json"
-        if p.is_file():
-            keep |= set(json.loads(p.read_text()).get("caches_in_use", []))
+        if not p.is_file() and not named:
+            continue
+        if not p.is_file():
+            raise ConfigError(
+                f"cache gc --run {d}: {p} does not exist, so {d} is not a run (a typo?) and the "
+                "caches a run uses cannot be told from there; nothing was removed. Give the "
+                "run.dir of each run that uses this cache root (where `preinfer bcd` wrote "
+                "state.json)"
+            )
+        try:
+            fps = json.loads(p.read_text()).get("caches_in_use", [])
+        except (ValueError, AttributeError) as e:  # AttributeError: JSON, but not an object
+            why = str(e) if isinstance(e, ValueError) else "not a JSON object"
+            raise ConfigError(
+                f"cache gc: {p} does not parse ({why}), so the caches that run uses cannot "
+                "be told; nothing was removed. Restore that file (or leave that run out of "
+                "--run if it is gone) and rerun"
+            ) from None
+        if not isinstance(fps, list) or not all(
+            isinstance(f, str) and FP_RE.fullmatch(f) for f in fps
+        ):
+            raise ConfigError(
+                f"cache gc: {p}: caches_in_use is not a list of cache fingerprints "
+                f"({json.dumps(fps)[:80]}), so the caches that run uses cannot be told; "
+                "nothing was removed. Restore that file and rerun"
+            )
+        keep |= set(fps)
     return keep
 
 
@@ -281,7 +312,7 @@ def _cache(args, cfg: Config) -> int:
         print(f"verify: {args.fingerprint}: ok")
         return 0
     if cmd == "gc":
-        keep = _referenced(args.run or [cfg.run.dir])
+        keep = _referenced(args.run or [cfg.run.dir], named=bool(args.run))
         removed = cache_tools.gc_caches(root, keep, dry_run=args.dry_run, log=print)
         verb = "would remove" if args.dry_run else "removed"
         for fp, reason, nbytes in removed:
@@ -360,7 +391,13 @@ def main(argv: list[str] | None = None) -> int:
             f"preinfer {args.cmd}: interrupted; rerun the same command to resume", file=sys.stderr
         )
         return 130
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - an object store lost mid-command, else re-raised
+        lost = fs.unreachable(e)  # botocore's errors (some OSErrors without an errno)
+        if lost is not None:
+            print(f"preinfer {args.cmd}: error: {lost}", file=sys.stderr)
+            return 2
+        if not isinstance(e, OSError):
+            raise
         if e.errno not in DISK_FULL:
             line = path_error(e)
             if line is None:

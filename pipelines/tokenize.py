@@ -12,6 +12,13 @@ before anything is written; the counts go to the log and the manifest's "rows". 
 behind (its temp store, and the directories it made), and of two writing one store at once the
 second to commit is refused (storage/tokens.py).
 
+A tokenize that writes holds the run.dir lock (preinfer/run/lock.py) as init, bcd and train do,
+so it is refused while a live run of that run.dir holds it (with --force before the corpus is
+read). A token store outside run.dir may be another run's: replacing one is refused too while
+the run that made it (the run.dir in its manifest) is live. (A run that only reads a store made
+by another run.dir is not seen: that check names the maker's run.dir only.) Temp stores that a
+killed tokenize left beside the store are removed first (storage/tokens.py clean_stale_partials).
+
 Streaming: the corpus is read in passes (hash and count; train the BPE; encode and pack), never
 held whole; what stays in memory is one batch of documents, a row being packed and at most a
 shard of rows per split (the writer's buffers). A long document reaches the tokenizer in pieces
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -52,10 +60,16 @@ from preinfer.data.tokenization import (
 )
 from preinfer.model.modeling import resolve_checkpoint_path
 from preinfer.run.config import Config
-from preinfer.run.lock import check_writable
+from preinfer.run.lock import RunDirLocked, check_writable, describe_holder, live_holder, run_lock
 from storage import fs
 from storage.atomic import as_os_error
-from storage.tokens import TokenStore, TokenStoreError, TokenStoreWriter, manifest_bytes
+from storage.tokens import (
+    TokenStore,
+    TokenStoreError,
+    TokenStoreWriter,
+    clean_stale_partials,
+    manifest_bytes,
+)
 
 ENCODE_BATCH = 64  # documents per tokenizer call (encode_batch runs them on its threads)
 
@@ -184,12 +198,49 @@ def _train_texts(d: DataConfig):
                 yield doc.response
 
 
+def _lock(cfg: Config, force: bool, log):
+    """The run.dir lock a writing tokenize holds (tidy: a run.dir it made goes again if it
+    fails); nothing for a run.dir on an object store."""
+    if fs.is_url(cfg.run.dir):
+        return contextlib.nullcontext()
+    return run_lock(cfg.run.dir, "tokenize --force" if force else "tokenize", log=log, tidy=True)
+
+
+def _check_not_in_use(cfg: Config, out, found: bytes | None) -> None:
+    """Refuse (RunDirLocked) while a live run holds this run.dir, or, when a store is there to
+    replace (`found`: its manifest bytes) and it was made for another run.dir, while that run.dir
+    is held: replacing it would change that run's data under it. Reads the lock records only."""
+    run = cfg.run.dir
+    if not fs.is_url(run) and (rec := live_holder(run)):
+        raise RunDirLocked(
+            f"run.dir {run} is in use by {describe_holder(rec)}; tokenize would change the "
+            "token store under it: wait for it to finish (or stop it), or give this run "
+            "another run.dir and data.out_dir"
+        )
+    if found is None or fs.is_url(out):
+        return
+    try:
+        maker = json.loads(found)["config"]["run"]["dir"]
+    except (ValueError, KeyError, TypeError):
+        return  # a manifest without its config: no run to ask
+    if not isinstance(maker, str) or fs.is_url(maker):
+        return
+    if os.path.realpath(maker) != os.path.realpath(run) and (rec := live_holder(maker)):
+        raise RunDirLocked(
+            f"data.out_dir {out} is the token store of run.dir {maker}, which is in use by "
+            f"{describe_holder(rec)}; replacing the store would change that run's data under "
+            "it: wait for it to finish (or stop it), or set data.out_dir elsewhere"
+        )
+
+
 def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
     d = cfg.data
     t0 = time.perf_counter()
     out = fs.path(d.out_dir)  # a Path, or a RemotePath (s3://...)
     _check_out(cfg, out, access=False)  # a file in the way: said before the corpus is read
     found = manifest_bytes(out)  # the store a commit may replace: another one then is refused
+    if force:  # it means to write: a run using this store is named before the corpus is read
+        _check_not_in_use(cfg, out, found)
     # a user's tokenizer (and its chat template) first: a missing one is refused before the scan
     tok = load_tokenizer(tokenizer_file(d.tokenizer)) if d.tokenizer != "bpe" else None
     chat = ChatTemplate.load(d.tokenizer, tok) if d.renders_chat else None
@@ -247,74 +298,82 @@ def run_tokenize(cfg: Config, *, force: bool = False, log=print) -> TokenStore:
         )
     model = model_record(cfg)  # before anything is written: a model.checkpoint must be readable
 
-    # the directories this tokenize makes (deepest first): removed again if it fails
-    made = (
-        [] if fs.is_url(out) else [p for p in (out.parent, *out.parent.parents) if not p.exists()]
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    labels = d.pairs or d.chat or d.mlm  # stored: prompt masks, or mlm targets (unshifted)
-    writer = None
-    try:
-        writer = TokenStoreWriter(out, seq_len=d.seq_len, shard_rows=d.shard_rows, labels=labels,
-                                  over=found)  # fmt: skip
-        tok_tmp = writer.tmp / "tokenizer.json"
+    with _lock(cfg, force, log):  # held while it writes: no run of this run.dir meanwhile
+        _check_not_in_use(cfg, out, found)
+        for p in clean_stale_partials(out):
+            log(f"tokenize: removed {p}, the temp store of a tokenize that is gone (killed)")
+        # the directories this tokenize makes (deepest first): removed again if it fails
+        made = (
+            []
+            if fs.is_url(out)
+            else [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        labels = d.pairs or d.chat or d.mlm  # stored: prompt masks, or mlm targets (unshifted)
+        writer = None
         try:
-            tok.save(str(tok_tmp))
-        except Exception as e:  # tokenizers' I/O errors (a full disk) are not OSErrors
-            err = as_os_error(e, out)
-            if err is None:
-                raise
-            raise err from e
-        n_tokens, packers, seen, long = _encode_and_pack(
-            cfg, tok, eos, mlm, chat, writer, n_docs, t0
-        )
-        if seen != corpus:  # read again for this pass: the store must hold what was hashed
-            raise CorpusError(
-                f"data.source {d.source!r} changed while it was tokenized (its documents now "
-                "hash differently); nothing was written: rerun when the corpus is settled"
+            writer = TokenStoreWriter(out, seq_len=d.seq_len, shard_rows=d.shard_rows,
+                                      labels=labels, over=found)  # fmt: skip
+            tok_tmp = writer.tmp / "tokenizer.json"
+            try:
+                tok.save(str(tok_tmp))
+            except Exception as e:  # tokenizers' I/O errors (a full disk) are not OSErrors
+                err = as_os_error(e, out)
+                if err is None:
+                    raise
+                raise err from e
+            n_tokens, packers, seen, long = _encode_and_pack(
+                cfg, tok, eos, mlm, chat, writer, n_docs, t0
             )
-        for name in docs:
-            if (d.pairs or d.chat) and writer.rows(name) == 0:
-                _all_too_long(packers[name].stats, name, d)
-            if writer.rows(name) == 0:
+            if seen != corpus:  # read again for this pass: the store must hold what was hashed
                 raise CorpusError(
-                    f"the {name} split has fewer than S+1 = {d.seq_len + 1} tokens; "
-                    "use more documents, a larger data.val_fraction or a smaller data.seq_len"
-                    + (
-                        " (or a larger data.seq_len: pairs longer than S+1 are dropped)"
-                        if d.pairs or d.chat
-                        else ""
-                    )
+                    f"data.source {d.source!r} changed while it was tokenized (its documents now "
+                    "hash differently); nothing was written: rerun when the corpus is settled"
                 )
-        extra = {}
-        if d.pairs or d.chat:
-            extra[d.format if d.chat else "pairs"] = {k: dict(p.stats) for k, p in packers.items()}
-        if d.mlm:
-            extra["mlm"] = {k: dict(p.stats) for k, p in packers.items()}
-            extra["mlm_tokens"] = {"cls": mlm["cls"], "mask": mlm["mask_id"],
-                                   "special": [int(i) for i in mlm["special"]]}  # fmt: skip
-        store = writer.commit(
-            {
-                "fingerprint": fingerprint,
-                "config": {**cfg.to_dict(), "model": model},
-                "documents": docs,
-                "tokens_in_documents": n_tokens,
-                "vocab_size": vocab,
-                "eos_id": eos,
-                "objective": d.objective,
-                "tokenizer_sha256": file_hash(tok_tmp),
-                "rows": rows.to_dict(),
-                **extra,
-            },
-            replace=replace,
-        )
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        for p in made:  # only those still empty
-            with contextlib.suppress(OSError):
-                p.rmdir()
-        raise
+            for name in docs:
+                if (d.pairs or d.chat) and writer.rows(name) == 0:
+                    _all_too_long(packers[name].stats, name, d)
+                if writer.rows(name) == 0:
+                    raise CorpusError(
+                        f"the {name} split has fewer than S+1 = {d.seq_len + 1} tokens; "
+                        "use more documents, a larger data.val_fraction or a smaller data.seq_len"
+                        + (
+                            " (or a larger data.seq_len: pairs longer than S+1 are dropped)"
+                            if d.pairs or d.chat
+                            else ""
+                        )
+                    )
+            extra = {}
+            if d.pairs or d.chat:
+                extra[d.format if d.chat else "pairs"] = {
+                    k: dict(p.stats) for k, p in packers.items()
+                }
+            if d.mlm:
+                extra["mlm"] = {k: dict(p.stats) for k, p in packers.items()}
+                extra["mlm_tokens"] = {"cls": mlm["cls"], "mask": mlm["mask_id"],
+                                       "special": [int(i) for i in mlm["special"]]}  # fmt: skip
+            store = writer.commit(
+                {
+                    "fingerprint": fingerprint,
+                    "config": {**cfg.to_dict(), "model": model},
+                    "documents": docs,
+                    "tokens_in_documents": n_tokens,
+                    "vocab_size": vocab,
+                    "eos_id": eos,
+                    "objective": d.objective,
+                    "tokenizer_sha256": file_hash(tok_tmp),
+                    "rows": rows.to_dict(),
+                    **extra,
+                },
+                replace=replace,
+            )
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            for p in made:  # only those still empty
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+            raise
     dt = time.perf_counter() - t0
     c = store.manifest["counts"]
     what = "pairs" if d.pairs else "conversations" if d.chat else "documents"

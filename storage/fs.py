@@ -187,25 +187,53 @@ def check(url: str | RemotePath, what: str = "storage") -> None:
         _checked.add(key)
 
 
+def _endpoint() -> str:
+    return _cfg.endpoint_url or "the default AWS endpoint (or AWS_ENDPOINT_URL)"
+
+
+def unreachable(e: BaseException, where: str | None = None) -> StorageError | None:
+    """The one-line StorageError for an object store that cannot be reached, dropped the
+    connection or did not answer (botocore's errors, some of them OSErrors without an errno;
+    a Ray task's error is read through to its cause); None for any other exception.
+    where: what the start-up probe was checking; None: the store was lost mid-command (the
+    line then says how to go on)."""
+    try:
+        import botocore.exceptions as bx
+    except ImportError:  # no S3 support installed: no botocore error either
+        return None
+    e = getattr(e, "cause", None) or e  # ray.exceptions.RayTaskError
+    head = f"{where}: " if where else ""
+    if isinstance(e, bx.ReadTimeoutError):
+        why = (
+            f"the object store at {_endpoint()} took the connection but did not answer within "
+            f"storage.read_timeout_s={_cfg.read_timeout_s} s on any of its attempts "
+            f"(storage.retries={_cfg.retries}) ({e}); check that the server is healthy, or "
+            "raise storage.read_timeout_s"
+        )
+    elif isinstance(e, bx.ConnectionError | bx.ConnectionClosedError):  # refused, timed out
+        why = (
+            f"cannot reach the object store at {_endpoint()} ({e}); check "
+            "storage.endpoint_url (scheme, host, port) and that the server is running"
+        )
+    else:
+        return None
+    if where is None:  # every object is one PUT: what is stored is whole, a build resumes
+        why += (
+            ", then rerun the same command: what it wrote before the store was lost is kept "
+            "(a cache build resumes at its first unfinished shard)"
+        )
+    return StorageError(head + why)
+
+
 def _probe_s3(fs, bucket: str, where: str) -> None:
     import botocore.exceptions as bx
 
-    endpoint = _cfg.endpoint_url or "the default AWS endpoint (or AWS_ENDPOINT_URL)"
+    endpoint = _endpoint()
     try:
         fs.call_s3("head_bucket", Bucket=bucket)
         return
-    except (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ConnectionError) as e:
-        raise StorageError(
-            f"{where}: cannot reach the object store at {endpoint} ({e}); check "
-            "storage.endpoint_url (scheme, host, port) and that the server is running"
-        ) from None
-    except bx.ReadTimeoutError as e:
-        raise StorageError(
-            f"{where}: the object store at {endpoint} took the connection but did not answer "
-            f"within storage.read_timeout_s={_cfg.read_timeout_s} s on any of its attempts "
-            f"(storage.retries={_cfg.retries}) ({e}); check that the server is healthy, or raise "
-            "storage.read_timeout_s"
-        ) from None
+    except (bx.ConnectionError, bx.ConnectionClosedError, bx.ReadTimeoutError) as e:
+        raise unreachable(e, where) from None
     except bx.NoCredentialsError:
         raise StorageError(
             f"{where}: no credentials for {endpoint}; set storage.key and storage.secret, the "

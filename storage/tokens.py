@@ -15,8 +15,10 @@ Every shard is checked against the manifest's size and checksum when it is read 
 format 2; format 1 stores, which recorded sha256 only, still open and are checked in sha256), so
 a changed byte is an error naming the shard, never silently different training data.
 
-A store is written into a sibling temp directory and renamed into place, so a directory
-holding a manifest is always complete.
+A store is written into a sibling temp directory (`<dir>.<host>.<pid>.<id>.partial`) and
+renamed into place, so a directory holding a manifest is always complete. A temp store whose
+writer is gone (a killed tokenize: its pid dead on this host) is removed by the next tokenize
+(`clean_stale_partials`); one of a live writer never is.
 
 On an object store (`dir` an s3://... URL, storage/fs.py) there is no rename: the store is
 written into a local temp directory, then each file is PUT (atomic per object) under the
@@ -31,10 +33,10 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -43,7 +45,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import fs
-from storage.atomic import checksum, checksum_entry, entry_algo, replace_dir
+from storage.atomic import (
+    PARTIAL_SUFFIX,
+    STALE_AFTER_S,
+    checksum,
+    checksum_entry,
+    entry_algo,
+    partial_is_stale,
+    partial_path,
+    replace_dir,
+)
 
 # 2: shard entries {"bytes", "checksum": {"algo", "value"}} (1: {"sha256"}); optional labels
 TOKENS_FORMAT_VERSION = 2
@@ -79,6 +90,36 @@ def manifest_bytes(path: str | Path) -> bytes | None:
     return mpath.read_bytes() if mpath.is_file() else None
 
 
+def clean_stale_partials(out_dir: str | Path) -> list[Path]:
+    """Remove the temp stores beside the local store `out_dir` whose writer is gone; returns
+    them. Ours (`<name>.<host>.<pid>.<id>.partial`): when that pid is dead on this host, or
+    untouched for STALE_AFTER_S (another host's); one named `<name>.partial-<id>` (before the
+    pid was in the name): untouched for STALE_AFTER_S. A live writer's is never removed."""
+    out = fs.path(out_dir)
+    if fs.is_url(out) or not out.parent.is_dir():
+        return []  # an object store's temp store is local (tempfile), and goes with its process
+    name, gone = re.escape(out.name), []
+    ours = re.compile(rf"{name}\.[^.]+\.\d+\.[0-9a-f]{{8}}{re.escape(PARTIAL_SUFFIX)}")
+    legacy = re.compile(rf"{name}\.partial-[0-9a-f]{{8}}")
+    for p in out.parent.iterdir():
+        if not p.is_dir() or p.is_symlink():
+            continue
+        if ours.fullmatch(p.name):
+            stale = partial_is_stale(p)
+        elif legacy.fullmatch(p.name):
+            try:
+                newest = max(f.stat().st_mtime for f in (p, *p.iterdir()))
+            except OSError:  # changing under us: being written, or removed
+                continue
+            stale = time.time() - newest > STALE_AFTER_S
+        else:
+            continue
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
 @contextlib.contextmanager
 def _dir_lock(path: Path):
     """An exclusive flock on directory `path` (no lock file is left behind)."""
@@ -91,7 +132,8 @@ def _dir_lock(path: Path):
 
 
 class TokenStoreWriter:
-    """Writes one token store aside (`<dir>.partial-<uuid>`), then `commit()` renames it.
+    """Writes one token store aside (`<dir>.<host>.<pid>.<id>.partial`), then `commit()` renames
+    it.
 
     Rows arrive in blocks per split (`add`, splits interleaved as they come); a split's rows
     are cut into shards of `shard_rows` in arrival order, so what is held in memory is at most
@@ -110,7 +152,7 @@ class TokenStoreWriter:
             fs.check(self.out_dir, "token store")
             self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out_dir.name}.partial-"))
         else:
-            self.tmp = self.out_dir.with_name(f"{self.out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+            self.tmp = partial_path(self.out_dir)  # the pid in its name: clean_stale_partials
             self.tmp.mkdir(parents=True)
         self.seq_len = seq_len
         self.shard_rows = shard_rows

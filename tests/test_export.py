@@ -149,11 +149,19 @@ def test_cli_export_and_refusal_of_a_non_empty_dir(tiny_run, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     with pytest.raises(ConfigError, match="not empty.*--force"):
         run_export(cfg, str(out), log=quiet)
+    # --force replaces a previous export only: this one is the user's, kept
+    assert main([*args, "--out", str(out), "--force"]) == 2
+    assert "is not a preinfer export" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert main([*args, "--out", str(out)]) == 0  # an empty directory is written
+    capsys.readouterr()
+    (out / "old.txt").write_text("from before")  # a previous export, changed since
     assert main([*args, "--out", str(out), "--force"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith(f"export: {out}: GPT2LMHeadModel")
     assert json.loads(printed[-1])["out"] == str(out)
-    assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+    assert (out / "model.safetensors").is_file() and not (out / "old.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # old moved aside, gone
 
 

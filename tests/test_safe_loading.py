@@ -227,6 +227,11 @@ def test_gc_never_removes_anything_outside_the_root(capsys, tmp_path):
     run.mkdir()
     (run / "state.json").write_text(json.dumps({"caches_in_use": ["../outside/abcdef12", "/"]}))
     outside_before = sorted(p.relative_to(tmp_path) for p in outside.rglob("*"))
+    # names that are no fingerprints: refused, nothing removed (the link included)
+    assert main(["cache", "gc", "--root", str(root), "--run", str(run)]) == 2
+    assert "not a list of cache fingerprints" in capsys.readouterr().err
+    assert os.path.lexists(root / "fedcba98")
+    (run / "state.json").write_text(json.dumps({"caches_in_use": ["abcdef12"]}))
     code = main(["cache", "gc", "--root", str(root), "--run", str(run)])
     out = capsys.readouterr().out
     assert code == 0, out

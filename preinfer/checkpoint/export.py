@@ -18,11 +18,17 @@ or a bare tokenizer.json) gets the special tokens above, looked up by name.
 It loads with `AutoModelForCausalLM.from_pretrained(out)` (gpt2, llama, mistral, qwen2) or
 `AutoModelForMaskedLM` (bert), and `AutoTokenizer.from_pretrained(out)`.
 
+      .preinfer-export.json     the marker: what was exported (checkpoint, run) and when
+
 The directory is written into a hidden sibling (`.<name>.export-<id>.partial`) and renamed into
-place at the end, so `out` never holds a half-written export; an error removes the sibling (and
-the parent directories it made). Its files get the modes the user's umask gives. A
-non-empty `out` is replaced only with force=True (the old one is moved aside, then deleted).
-Everything is read and checked (block hashes, the tokenizer) before anything is written.
+place at the end, so `out` never holds a half-written export; an error (a full disk included:
+an OSError naming the file) removes the sibling (and the parent directories it made). Its files
+get the modes the user's umask gives. A non-empty `out` is replaced only with force=True, and
+only when it is a previous export (it holds the marker; the old one is moved aside, then
+deleted): anything else is refused, force or not. An `out` that is, holds or lies inside a
+directory of the run (`owned`: run.dir, the token store, the checkpoint, the cache root) is
+refused too. Everything is read and checked (block hashes, the tokenizer) before anything is
+written.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -40,7 +47,7 @@ from preinfer.checkpoint.store import Checkpoint
 from preinfer.data.tokenization import SPECIAL_EOS, load_tokenizer
 from preinfer.model.modeling import quiet_transformers
 from storage import fs
-from storage.atomic import replace_dir
+from storage.atomic import as_os_error, replace_dir
 
 # Special tokens looked up by name in the tokenizer's vocabulary (first present wins).
 _EOS = tuple(t for t in SPECIAL_EOS if t != "[SEP]") + ("<|end_of_text|>",)
@@ -54,6 +61,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "added_tokens.json", "chat_template.jinja", "chat_template.json",
                       "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model")  # fmt: skip
 _ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+MARKER = ".preinfer-export.json"  # in every export: what --force may replace
 
 
 def auto_class(arch: str) -> str:
@@ -61,9 +69,12 @@ def auto_class(arch: str) -> str:
     return "AutoModelForMaskedLM" if arch == "bert" else "AutoModelForCausalLM"
 
 
-def check_out_dir(out: str | Path, force: bool) -> Path:
-    """`out` as a local Path, refusing an object-store URL, a file, and (without force) a
-    non-empty directory."""
+def check_out_dir(out: str | Path, force: bool, owned: dict[str, str] | None = None,
+                  free: str | Path | None = None) -> Path:  # fmt: skip
+    """`out` as a local Path, refusing an object-store URL, a file, one that is, holds or lies
+    inside a directory of `owned` ({config key: path}; symlinks and `..` resolved; `free`: a
+    path inside them that an export may take, the demo's own), and a non-empty directory
+    unless force is given and it is a previous export (holds MARKER)."""
     if fs.is_url(out):
         raise ConfigError(
             f"export --out {out}: an export is a local directory; give a local path "
@@ -77,12 +88,42 @@ def check_out_dir(out: str | Path, force: bool) -> Path:
         raise ConfigError(
             f"export --out {p}: its parent {above} is a file, not a directory; choose another path"
         )
-    if p.is_dir() and any(p.iterdir()) and not force:
-        raise ConfigError(
-            f"export --out {p} exists and is not empty; pass --force to replace it "
-            "or choose another directory"
-        )
+    _check_not_owned(p, owned or {}, free)
+    if p.is_dir() and any(p.iterdir()):
+        if not force:
+            raise ConfigError(
+                f"export --out {p} exists and is not empty; pass --force to replace it (a "
+                "previous export only) or choose another directory"
+            )
+        if not (p / MARKER).is_file():
+            raise ConfigError(
+                f"export --out {p} is not a preinfer export (it has no {MARKER}), so --force "
+                "does not replace it; nothing was touched. Choose another directory, or empty "
+                "that one yourself if nothing in it is needed"
+            )
     return p
+
+
+def _check_not_owned(p: Path, owned: dict[str, str], free: str | Path | None) -> None:
+    """Refuse an export path that is, holds or lies inside one of the run's directories: its
+    replace would delete them, or mix an export into them. Named by the most specific key."""
+    real = Path(os.path.realpath(p))
+    dirs = {k: Path(os.path.realpath(v)) for k, v in owned.items() if v and not fs.is_url(v)}
+    if free is not None and real == Path(os.path.realpath(free)):
+        dirs = {k: d for k, d in dirs.items() if d not in real.parents}  # inside run.dir only
+    clash = next(((k, d, "is") for k, d in dirs.items() if real == d), None)
+    clash = clash or next(((k, d, "lies inside") for k, d in dirs.items() if d in real.parents),
+                          None)  # fmt: skip
+    clash = clash or next(((k, d, "holds") for k, d in reversed(dirs.items())
+                           if real in d.parents), None)  # fmt: skip
+    if clash is not None:
+        key, d, how = clash
+        raise ConfigError(
+            f"export --out {p} {how} {key} {d}: an export there would replace or mix with the "
+            f"run's own files, so it is refused with or without --force; nothing was touched. "
+            f"Choose a directory outside {', '.join(owned)}"
+            + (f" (or {free}, the run's own export directory)" if free is not None else "")
+        )
 
 
 def read_tokenizer(path: str | Path, vocab_size: int):
@@ -235,24 +276,40 @@ def _user_modes(root: Path) -> None:
 
 
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
-    """Rename the finished `tmp` to `out`; an existing `out` (empty, or any with force) is
-    replaced (storage.atomic.replace_dir: put back if the rename fails)."""
+    """Rename the finished `tmp` to `out`; an existing `out` (empty, or a previous export with
+    force) is replaced (storage.atomic.replace_dir: put back if the rename fails)."""
     if out.exists():
         check_out_dir(out, force)  # it may have filled up while we wrote
     replace_dir(tmp, out)
 
 
+def _os_errors(name: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), with the I/O error of a Rust writer (safetensors, tokenizers: a
+    plain Exception ending in `(os error N)`) raised as the OSError naming file `name`."""
+    try:
+        return fn(*args, **kwargs)
+    except OSError:
+        raise
+    except Exception as e:
+        err = as_os_error(e, name)
+        if err is None:
+            raise
+        raise err from e
+
+
 def export_hf(ckpt: Checkpoint, tokenizer_path: str | Path, out: str | Path, *,
               force: bool = False, hf_tokenizer: Path | None = None,
-              hf_model: Path | None = None) -> dict:  # fmt: skip
+              hf_model: Path | None = None, owned: dict[str, str] | None = None,
+              free: str | Path | None = None, source: dict | None = None) -> dict:  # fmt: skip
     """Write `ckpt` (all blocks, as they are now) and the tokenizer at `tokenizer_path` as a
     transformers directory at `out` (see the module docstring). `hf_tokenizer` / `hf_model`: the
     user's HF directories the run started from (data.tokenizer, model.checkpoint; None: none),
-    whose tokens, chat template and generation config a causal LM's export keeps. Returns what
-    was written."""
+    whose tokens, chat template and generation config a causal LM's export keeps. `owned`,
+    `free`: as check_out_dir; `source`: more for the marker (the run.dir). Returns what was
+    written."""
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-    out = check_out_dir(out, force)
+    out = check_out_dir(out, force, owned, free)
     arch = ckpt.index["arch"]
     causal = arch != "bert"
     tok = read_tokenizer(tokenizer_path, ckpt.vocab_size)
@@ -293,14 +350,19 @@ def export_hf(ckpt: Checkpoint, tokenizer_path: str | Path, out: str | Path, *,
     tmp = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}.partial")
     try:
         tmp.mkdir()
-        with quiet_transformers(progress_bars=False):
-            model.save_pretrained(tmp, safe_serialization=True)
+        with quiet_transformers(progress_bars=False):  # a full disk: an OSError naming the file
+            _os_errors(out / "model.safetensors", model.save_pretrained, tmp,
+                       safe_serialization=True)  # fmt: skip
             if causal and not (tmp / "generation_config.json").is_file():
                 model.generation_config.save_pretrained(tmp)
             if kept is None:
-                hf_tok.save_pretrained(tmp)
+                _os_errors(out / "tokenizer.json", hf_tok.save_pretrained, tmp)
         for f in kept["files"] if kept is not None else ():
             shutil.copyfile(f, tmp / f.name)  # as they came: training changed none of them
+        marker = {"preinfer_export": 1, **(source or {}), "checkpoint": str(ckpt.path),
+                  "checkpoint_hash": ckpt.prefix_hash(ckpt.num_blocks), "arch": arch,
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _user_modes(tmp)
         _fsync_tree(tmp)
         files = sorted(f.name for f in tmp.iterdir())

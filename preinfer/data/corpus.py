@@ -85,6 +85,9 @@ class RowStats:
     """Pairs with a prompt_template column missing or null (read as '', as documented)."""
     empty_files: list[str] = field(default_factory=list)
     """Files of a directory source that hold no rows (skipped)."""
+    skipped_files: list[str] = field(default_factory=list)
+    """Files of a directory source not read, and why ("a/x.bin (type .bin is not read)"): of
+    a type not in FORMATS, or not a regular file (a FIFO, a device, a broken symlink)."""
 
     @property
     def n_bad(self) -> int:
@@ -115,7 +118,8 @@ class RowStats:
         """The manifest's "rows"."""
         return {"read": self.rows, "bad": dict(self.bad), "bad_examples": self.examples,
                 "empty_text": self.empty_text, "template_filled": self.template_filled,
-                "empty_files": self.empty_files}  # fmt: skip
+                "empty_files": self.empty_files,
+                "skipped_files": self.skipped_files}  # fmt: skip
 
     def lines(self) -> list[str]:
         """What the log says of the rows not used as they are (nothing when all were)."""
@@ -131,6 +135,12 @@ class RowStats:
             shown = ", ".join(self.empty_files[:EXAMPLES])
             more = "" if len(self.empty_files) <= EXAMPLES else ", ..."
             out.append(f"skipped {len(self.empty_files)} empty file(s): {shown}{more}")
+        if self.skipped_files:
+            shown = ", ".join(self.skipped_files[:EXAMPLES])
+            more = "" if len(self.skipped_files) <= EXAMPLES else ", ..."
+            out.append(f"skipped {len(self.skipped_files)} file(s) in the data.source "
+                       f"directory: {shown}{more} (tokenize reads {'/'.join(FORMATS)} files; "
+                       "others are skipped)")  # fmt: skip
         return out
 
 
@@ -269,17 +279,27 @@ FORMATS = {
 }
 
 
-def _local_files(paths: list[str]) -> list[tuple[Path, bool]]:
-    """(file, found in a directory) of each file a source names."""
+def _local_files(paths: list[str], stats: RowStats) -> list[tuple[Path, bool]]:
+    """(file, found in a directory) of each file a source names; what a directory holds that
+    is not read (another type, not a regular file) goes to stats.skipped_files."""
     files: list[tuple[Path, bool]] = []
     for spec in paths:
         p = Path(spec).expanduser()
         if p.is_dir():
-            files += [
-                (f, True) for f in sorted(p.rglob("*")) if f.is_file() and f.suffix in FORMATS
-            ]
+            for f in sorted(p.rglob("*")):
+                if f.is_file() and f.suffix in FORMATS:
+                    files.append((f, True))
+                elif f.is_file():
+                    stats.skipped_files.append(f"{f} (type {f.suffix or '(none)'} is not read)")
+                elif not f.is_dir():
+                    stats.skipped_files.append(f"{f} (not a regular file)")
         elif p.is_file():
             files.append((p, False))
+        elif p.exists():  # a device (/dev/zero), a FIFO, a socket: no end, or no bytes to read
+            raise CorpusError(
+                f"data.source: {spec} is not a regular file (a device, FIFO or socket); give a "
+                "file, a directory or 'builtin'"
+            )
         else:
             raise CorpusError(
                 f"data.source: {spec} does not exist; give a file, a directory or 'builtin'"
@@ -374,7 +394,7 @@ def iter_local(
     or a batch at a time). An empty file named alone is an error; inside a directory it is
     skipped and counted (stats.empty_files), unless every file is empty."""
     stats = stats if stats is not None else RowStats()
-    files = _local_files(paths)
+    files = _local_files(paths, stats)
     for f, in_dir in files:
         try:
             yield from _read_file(f, cfg, stats)

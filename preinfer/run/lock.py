@@ -17,7 +17,12 @@ the record is what a refusal names, and what decides where flock cannot:
 
 Taken again in the process that holds it (the demo, then the bcd it runs) it is held once and
 released by the outermost exit. A release empties the record; the file itself stays (deleting a
-lock file races with a process that has just opened it).
+lock file races with a process that has just opened it), except with tidy=True where the block
+failed and the lock made run.dir: then the lock file and the directories it made go, while the
+flock is still held (a stage that leaves nothing behind when it fails: tokenize).
+
+`live_holder(run_dir)` reads the record only (it creates, locks and writes nothing): the check a
+stage makes of another run.dir it may affect (tokenize of a token store that run reads).
 """
 
 from __future__ import annotations
@@ -136,7 +141,8 @@ def _alive(rec: dict) -> bool:
     return rec.get("pid_start") is None or stat[1] == rec["pid_start"]
 
 
-def _who(rec: dict) -> str:
+def describe_holder(rec: dict) -> str:
+    """`pid N on host H (`command`, since T)`: a holder as refusals name it."""
     if not rec:
         return "another process (its record is not written yet)"
     return (
@@ -175,8 +181,8 @@ def _acquire(path: Path, run_dir: Path, command: str, log: Callable[[str], None]
                 else ""
             )
             raise RunDirLocked(
-                f"run.dir {run_dir} is in use by {_who(rec)}{gone}; one run per run.dir: wait "
-                "for it to finish (or stop it), or give this run another run.dir"
+                f"run.dir {run_dir} is in use by {describe_holder(rec)}{gone}; one run per "
+                "run.dir: wait for it to finish (or stop it), or give this run another run.dir"
             ) from None
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
@@ -185,19 +191,21 @@ def _acquire(path: Path, run_dir: Path, command: str, log: Callable[[str], None]
         rec = _read(fd)
         if rec and rec.get("host") != socket.gethostname():
             raise RunDirLocked(
-                f"run.dir {run_dir} is locked by {_who(rec)}, another machine; this host cannot "
-                f"tell whether it still runs, so it is never taken over. If no run is active "
-                f"there, delete {path} and rerun; else wait, or give this run another run.dir"
+                f"run.dir {run_dir} is locked by {describe_holder(rec)}, another machine; this "
+                f"host cannot tell whether it still runs, so it is never taken over. If no run "
+                f"is active there, delete {path} and rerun; else wait, or give this run another "
+                "run.dir"
             )
         if rec and rec.get("pid") != os.getpid() and _alive(rec):
             how = "" if kernel else " (no flock on this filesystem: the record decides)"
             raise RunDirLocked(
-                f"run.dir {run_dir} is in use by {_who(rec)}{how}; one run per run.dir: wait for "
-                f"it to finish (or stop it), or give this run another run.dir. If that process "
-                f"is no preinfer run, delete {path} and rerun"
+                f"run.dir {run_dir} is in use by {describe_holder(rec)}{how}; one run per "
+                f"run.dir: wait for it to finish (or stop it), or give this run another run.dir. "
+                f"If that process is no preinfer run, delete {path} and rerun"
             )
         if rec and rec.get("pid") != os.getpid():
-            log(f"  run.dir {run_dir}: took over the stale lock of {_who(rec)}, which is gone")
+            who = describe_holder(rec)
+            log(f"  run.dir {run_dir}: took over the stale lock of {who}, which is gone")
         _write(fd, _record(command))
         return fd
     except BaseException:
@@ -205,24 +213,53 @@ def _acquire(path: Path, run_dir: Path, command: str, log: Callable[[str], None]
         raise
 
 
+def live_holder(run_dir: str | Path) -> dict | None:
+    """The record of the run holding `<run_dir>/.lock` now, read without taking the lock (nothing
+    is created or written): a live process of this host other than this one, or any record of
+    another host (never judged from here, as `run_lock` does not); None when none holds it."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None  # no lock file (no run ever held it), or not readable: nothing to name
+    try:
+        rec = _read(fd)
+    finally:
+        os.close(fd)
+    if not rec or (rec.get("pid") == os.getpid() and rec.get("host") == socket.gethostname()):
+        return None
+    return rec if rec.get("host") != socket.gethostname() or _alive(rec) else None
+
+
 @contextlib.contextmanager
 def run_lock(
-    run_dir: str | Path, command: str, *, log: Callable[[str], None] = print
+    run_dir: str | Path, command: str, *, log: Callable[[str], None] = print, tidy: bool = False
 ) -> Iterator[Path]:
     """Hold `<run_dir>/.lock` for the block (created with run_dir if missing); yields its path.
-    Raises RunDirLocked, naming the holder, when another run has it."""
+    Raises RunDirLocked, naming the holder, when another run has it. tidy: if the block raises
+    and this call made run_dir (and is the outermost), the lock file and the directories made
+    for it are removed again (those left empty)."""
     run_dir = Path(run_dir)
     check_writable(run_dir, "run.dir")  # a file there, or no write access: one clear line
+    made = [d for d in (run_dir, *run_dir.parents) if not os.path.lexists(d)]  # deepest first
     run_dir.mkdir(parents=True, exist_ok=True)
     path = (run_dir / LOCK_NAME).resolve()
     key = str(path)
     with _mutex:
         if key in _held:
             _held[key][1] += 1
+            made = []  # held already: its dirs are the outer holder's
         else:
-            _held[key] = [_acquire(path, run_dir, command, log), 1]
+            try:
+                _held[key] = [_acquire(path, run_dir, command, log), 1]
+            except BaseException:
+                _remove_made(None, made if tidy else [])
+                raise
+    failed = False
     try:
         yield path
+    except BaseException:
+        failed = True
+        raise
     finally:
         with _mutex:
             _held[key][1] -= 1
@@ -230,5 +267,16 @@ def run_lock(
                 fd = _held.pop(key)[0]
                 try:
                     os.ftruncate(fd, 0)  # a clean exit leaves no record to judge
+                    if failed and tidy and made:
+                        _remove_made(path, made)  # under the flock: no one holds it meanwhile
                 finally:
                     os.close(fd)  # and drops the flock
+
+
+def _remove_made(lock_file: Path | None, made: list[Path]) -> None:
+    """Remove `lock_file` and then the directories `made` (deepest first) left empty."""
+    with contextlib.suppress(OSError):
+        if lock_file is not None:
+            lock_file.unlink()
+        for d in made:
+            d.rmdir()
