@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from storage import atomic
+
 FIGSIZE = (6.0, 3.5)
 DPI = 100
 ACTION_COLOURS = {"built": "tab:red", "refreshed": "tab:orange", "reused": "tab:green"}
@@ -28,8 +30,15 @@ def _figure():
 
 
 def _save(fig, path: Path) -> None:
+    """The figure as a PNG at `path`, by temp file + rename like every other file (a full disk
+    leaves the old plot or none, never a cut one); a write error names `path`."""
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    try:
+        atomic.write_file(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
+    except OSError as e:
+        if e.filename is None:  # a full disk on write: the file it was
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def _colour(block: int, round_: int, rounds: int):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from core.config import to_dict
 from preinfer.run.config import Config
-from storage.atomic import human
+from storage.atomic import human, write_bytes
 
 # ---- the markdown summary ----
 
@@ -187,4 +187,4 @@ def write_summary(cfg: Config, data: dict, plots: dict[str, Path], path: Path) -
         rows.append([f"cache {a} (x{t['cache_counts'][a]})", _f(s, ".1f")])
     L += _table(["what", "seconds"], rows)
     L.append("")
-    path.write_text("\n".join(L) + "\n")
+    write_bytes(path, ("\n".join(L) + "\n").encode())  # temp + rename: an old summary stays whole

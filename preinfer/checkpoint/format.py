@@ -50,6 +50,21 @@ class CheckpointExists(CheckpointError):
     """init found a different checkpoint (other config, partition or trained weights) there."""
 
 
+class CommittedMeanwhile(CheckpointError):
+    """A file the reader's index named is gone or other: a commit replaced checkpoint.json
+    (`index`, the new one) since the reader read it. `Checkpoint` reads again against it."""
+
+    def __init__(self, path, index: dict):
+        super().__init__(
+            f"checkpoint {path} was committed to while it was read (a running bcd or train); "
+            "it is intact: rerun the command"
+        )
+        self.path, self.index = path, index
+
+    def __reduce__(self):  # pickled whole (a Ray worker's error reaches its driver)
+        return CommittedMeanwhile, (self.path, self.index)
+
+
 # ---- the writers: storage/atomic.py's write, with the checkpoint's own temp names ----
 
 

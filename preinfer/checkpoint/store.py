@@ -11,8 +11,10 @@
 
 File names carry their content hash, so a commit writes every new file (of one block, or of all
 M in --mode full) beside the old ones, then replaces checkpoint.json ONCE, then deletes the old
-files: a reader holding the old index never sees its file overwritten, and a crash at any point
-leaves the old or the new checkpoint, never a mix. A local commit holds <dir>/.lock and ends by
+files: a reader holding the old index never sees its file overwritten (one that finds a file
+gone reads checkpoint.json again and, when a commit replaced it, the new commit's files: only a
+file missing while the index is unchanged is damage), and a crash at any point leaves the old
+or the new checkpoint, never a mix. A local commit holds <dir>/.lock and ends by
 sweeping what killed commits left (temps, files checkpoint.json does not name).
 
 Tied tensors (GPT-2's lm_head.weight = wte.weight) are stored once, in block 0's file. A later
@@ -49,6 +51,7 @@ from preinfer.checkpoint.format import (
     ALONGSIDE,
     INDEX,
     CheckpointError,
+    CommittedMeanwhile,
     _block_file_name,
     _check_index,
     _checked_state,
@@ -71,6 +74,16 @@ from preinfer.model.partition import (
     block_tensor_names,
 )
 from storage import fs
+
+# reads of one load against successive indexes: each retry follows a commit that replaced a file
+# the read needed; a bcd commits once a visit (seconds apart), so this many in a row is a writer
+# that never stops, which the reader reports (not damage)
+READ_TRIES = 10
+# what to do about a file of the index that is gone or other while the index has not changed
+DAMAGED = (
+    "the checkpoint is damaged: restore its directory from a copy (`preinfer init --force` "
+    "re-creates it, losing its training: only when no run's training should be kept)"
+)
 
 
 def _read_file(path: Path, names: list[str] | None = None) -> tuple[set[str], dict]:
@@ -251,6 +264,35 @@ class Checkpoint:
         return out
 
     # ---- reading ----
+    def _damaged(self, why: str) -> CheckpointError:
+        """The error for a file self.index names found missing, unreadable or other than the
+        index says (`why`, with what to do): CommittedMeanwhile when checkpoint.json changed
+        since it was read (a commit replaced the file and deleted the old one: no damage),
+        else CheckpointError(why)."""
+        try:
+            now = Checkpoint.open(self.path).index
+        except CheckpointError:  # the index itself is gone bad too: name the file first
+            now = self.index
+        return CheckpointError(why) if now == self.index else CommittedMeanwhile(self.path, now)
+
+    def _consistent(self, read: Callable[[], object]):
+        """read() (of files self.index names), again against the new index whenever a commit
+        replaced one of them meanwhile (CommittedMeanwhile), READ_TRIES reads in all: what it
+        returns is one commit's, and self.index is that commit's index."""
+        for attempt in range(READ_TRIES):
+            try:
+                return read()
+            except CommittedMeanwhile as e:
+                if attempt == READ_TRIES - 1:
+                    raise
+                if e.index.get("init_id") != self.index.get("init_id"):
+                    raise CheckpointError(
+                        f"checkpoint {self.path} was initialised anew (`preinfer init --force`) "
+                        "while it was read; rerun the command"
+                    ) from None
+                self.index = e.index
+        raise AssertionError("unreachable")
+
     def _read(self, b: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of block b's file (all, or only `names`), read on CPU."""
         path = self.block_file(b)
@@ -258,26 +300,28 @@ class Checkpoint:
         try:
             have, tensors = _read_file(path, want)
         except FileNotFoundError:
-            raise CheckpointError(
-                f"block {b}'s file {path.name} is missing from {self.path}; the checkpoint is "
-                "damaged (restore it or re-create it with `preinfer init --force`)"
+            raise self._damaged(
+                f"block {b}'s file {path.name} is missing from {self.path}, which {INDEX} "
+                f"names; {DAMAGED}"
             ) from None
         except SafetensorError as e:
-            raise CheckpointError(f"block {b}'s file {path.name} is unreadable: {e}") from None
+            raise self._damaged(
+                f"block {b}'s file {path.name} is unreadable ({e}); {DAMAGED}"
+            ) from None
         lacking = [n for n in want if n not in have]
         if lacking or (names is None and have != set(want)):
-            raise CheckpointError(
-                f"block {b}'s file {path.name} does not hold the tensors checkpoint.json "
-                f"lists (missing {lacking[:3]}); the file was replaced or damaged"
+            raise self._damaged(
+                f"block {b}'s file {path.name} does not hold the tensors {INDEX} lists (missing "
+                f"{lacking[:3]}): it was replaced by hand; {DAMAGED}"
             )
         return tensors
 
     def _read_block(self, b: int) -> dict[str, torch.Tensor]:
         tensors = self._read(b)
         if tensors_hash(tensors) != self.block_hash(b):
-            raise CheckpointError(
+            raise self._damaged(
                 f"block {b}'s file {self.block_file(b).name} does not match the hash in "
-                f"{INDEX}: it was modified or replaced; restore it or re-create the checkpoint"
+                f"{INDEX}: it was modified or replaced by hand; {DAMAGED}"
             )
         return tensors
 
@@ -292,7 +336,13 @@ class Checkpoint:
     ) -> tuple[nn.Module, Adapter]:
         """Build the model on meta and materialise ONLY the listed blocks (None = all), each read
         from its own file and hash-checked; tied tensors another loaded block needs are read by
-        name from their owner's file. Modules of other blocks stay on meta and refuse to run."""
+        name from their owner's file. Modules of other blocks stay on meta and refuse to run.
+        A commit that replaces a file while they are read (a reader beside a running bcd) is
+        read again: the model is one commit's, and self.index that commit's index."""
+        blocks = None if blocks is None else list(blocks)
+        return self._consistent(lambda: self._load(blocks, device))
+
+    def _load(self, blocks: list[int] | None, device: str | torch.device):
         blocks = range(self.num_blocks) if blocks is None else blocks
         want = sorted({self._check_block(int(b)) for b in blocks})
         if not want:
@@ -316,9 +366,9 @@ class Checkpoint:
                 continue
             t = self._read(self._block_of(owner), [owner])
             if tensors_hash(t) != self.index["tied_hashes"][owner]:
-                raise CheckpointError(
+                raise self._damaged(
                     f"tied tensor {owner} in block {self._block_of(owner)}'s file does not match "
-                    f"its hash in {INDEX}: the file was modified or replaced"
+                    f"its hash in {INDEX}: the file was modified or replaced by hand; {DAMAGED}"
                 )
             loaded.update(t)
         materialise(model, loaded, self.tied, device)
@@ -351,15 +401,15 @@ class Checkpoint:
         try:
             digest, tensors = _read_hashed(path, keep)
         except FileNotFoundError:
-            raise CheckpointError(
+            raise self._damaged(
                 f"block {b}'s optimizer state file {path.name} is missing from {self.path}; {fix}"
             ) from None
         except SafetensorError as e:
-            raise CheckpointError(
+            raise self._damaged(
                 f"block {b}'s optimizer state file {path.name} is unreadable ({e}); {fix}"
             ) from None
         if digest != entry["hash"]:
-            raise CheckpointError(
+            raise self._damaged(
                 f"block {b}'s optimizer state file {path.name} does not match the hash in {INDEX}: "
                 f"it was modified or replaced; {fix}"
             )
@@ -372,28 +422,28 @@ class Checkpoint:
         Object-store checkpoints are left to the load (a request per file)."""
         if fs.is_url(self.path):
             return
-        fix = (
-            "the checkpoint is damaged: restore the file, or re-create the checkpoint with "
-            "`preinfer init --force` (its trained weights are lost)"
-        )
         for b in blocks:
             path = self.block_file(b)
             if not path.is_file():
-                raise CheckpointError(f"block {b}'s file {path} is missing; {fix}")
+                raise self._damaged(f"block {b}'s file {path} is missing; {DAMAGED}")
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     f.keys()
             except (SafetensorError, OSError) as e:
-                raise CheckpointError(
-                    f"block {b}'s file {path} is damaged (cut short or overwritten: {e}); {fix}"
+                raise self._damaged(
+                    f"block {b}'s file {path} is damaged (cut short or overwritten: {e}); {DAMAGED}"
                 ) from None
 
     def verify(self) -> None:
         """Read every block file (and kept optimizer state) and check its hash (raises
-        CheckpointError naming the block)."""
-        for b in range(self.num_blocks):
-            self._read_block(b)
-            self.optimizer_state(b)
+        CheckpointError naming the block); a commit meanwhile is verified again, as in load."""
+
+        def read() -> None:
+            for b in range(self.num_blocks):
+                self._read_block(b)
+                self.optimizer_state(b)
+
+        self._consistent(read)
 
     def tidy(self) -> None:
         """Delete what a commit killed before its end left (old files, temps); a local

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config import ConfigError
+from preinfer.model.modeling import MAX_VOCAB
 
 
 @dataclass(kw_only=True)
@@ -66,6 +67,11 @@ class DataConfig:
         if self.vocab_size < 260:
             raise ConfigError(
                 f"data.vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}"
+            )
+        if self.vocab_size > MAX_VOCAB:  # the BPE trainer reserves ~70 bytes an entry up front
+            raise ConfigError(
+                f"data.vocab_size must be <= {MAX_VOCAB:,} (4x the largest vocabularies in use), "
+                f"got {self.vocab_size:,}; 4,096 to 65,536 suits most corpora"
             )
         if self.max_documents is not None and self.max_documents < 2:
             raise ConfigError(f"data.max_documents must be >= 2 or null, got {self.max_documents}")

@@ -17,6 +17,7 @@ from core.config import ConfigError
 from preinfer.data.config import DataConfig
 from preinfer.data.corpus import CorpusError, Document, RowStats, iter_local, iter_rows
 from preinfer.model.modeling import resolve_package_path
+from preinfer.runtime import hostmem
 
 MLM_ARCHS = ("bert",)  # bidirectional encoders: a position sees its own token
 
@@ -226,11 +227,26 @@ def encode_ids(tok, texts: list[str], limit: int = PIECE_CHARS) -> list[np.ndarr
     return out
 
 
+# bytes tokenizers' BpeTrainer reserves per vocabulary entry before it reads a text (measured:
+# vocab_size 1e9 asked ~70 GB and aborted the process, SIGABRT with no Python error; 1e8 aborts
+# under a 6 GiB address-space limit, 3e7 fits)
+BPE_BYTES_PER_TOKEN = 72
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, *, mlm: bool = False):
     """A byte-level BPE with one special token, <|endoftext|>, as EOS (mlm: also [CLS], which
     opens every row, and [MASK]). A long text is learnt from in `pieces` (the same pre-tokens,
-    so the same merges, at a bounded memory)."""
+    so the same merges, at a bounded memory). Refused (ConfigError) where what the trainer
+    reserves for `vocab_size` exceeds the memory this process may allocate."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    need, free = vocab_size * BPE_BYTES_PER_TOKEN, hostmem.available()
+    if need > free:
+        raise ConfigError(
+            f"data.vocab_size={vocab_size:,}: the BPE trainer reserves about "
+            f"{need / 2**30:.1f} GiB for it up front, but only {free / 2**30:.1f} GiB of memory "
+            "is available here; lower data.vocab_size (4,096 to 65,536 suits most corpora)"
+        )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

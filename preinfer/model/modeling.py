@@ -16,6 +16,11 @@ from torch import nn
 
 from core.config import ConfigError
 
+# Largest vocabulary (model.vocab_size, data.vocab_size) taken: 4x the largest in use (Gemma's
+# 262,144). Beyond it a typo allocates before any check can say so: model.vocab_size=3e8 is a
+# 38 GB embedding, a BPE of data.vocab_size=1e9 reserves ~70 GB up front and aborts.
+MAX_VOCAB = 2**20
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -51,6 +56,11 @@ class ModelConfig:
             for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
                 if getattr(self, name) < 1:
                     raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+            if self.vocab_size > MAX_VOCAB:
+                raise ConfigError(
+                    f"model.vocab_size must be <= {MAX_VOCAB:,} (4x the largest vocabularies in "
+                    f"use), got {self.vocab_size:,}; set it to the tokenizer's vocabulary size"
+                )
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
                     f"model.hidden_size ({self.hidden_size}) must be divisible by "

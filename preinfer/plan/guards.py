@@ -3,6 +3,7 @@
     check_disk_for_rotation(cache, train, budget, ...)  # `bcd`: the rotation's peak
     check_disk_for_boundary(cache, budget, K, ...)      # `cache build/refresh --block K`
     warn_trainer_memory(sh, part, setup, ...)          # `bcd`/`train`: a warning past the device
+    check_init_memory(model_cfg)       # `init`: refused when the model does not fit in memory
     check_vocab(ckpt, store)           # init/bcd/train/cache build: ids the embedding can look up
     check_same_tokens(recorded, store) # bcd resume: the token store the rotation started on
 
@@ -185,6 +186,32 @@ def warn_trainer_memory(
                "or lower train.batch_size / data.seq_len (`preinfer plan` shows the breakdown)")  # fmt: skip
         (log or (lambda m: warnings.warn(m, ResourceWarning, stacklevel=3)))(msg)
     return worst
+
+
+def check_init_memory(model_cfg, *, available_bytes: int | None = None) -> dict:
+    """Refuse (ConfigError, one line) a model `preinfer init` cannot build in the memory this
+    process may allocate (hostmem.available), before it allocates: the planner's shape of it
+    (a meta build) in fp32, as build_model makes it, plus its largest tensor once more (the
+    peak measured while a tensor is initialised: 4 x (params + largest tensor) bytes).
+    Returns {"need", "available", "params"}."""
+    import torch
+
+    from preinfer.model.shape import model_shape
+    from preinfer.runtime import hostmem
+
+    with torch.device("meta"):  # model_shape's meta build makes each parameter real first
+        sh = model_shape(model_cfg)
+    need = 4 * (sh.params + sh.max_tensor)
+    free = hostmem.available() if available_bytes is None else int(available_bytes)
+    out = {"need": need, "available": free, "params": sh.params}
+    if need > free:
+        raise ConfigError(
+            f"model of {sh.params:,} parameters (model.vocab_size={sh.vocab:,}, hidden "
+            f"{sh.hidden}, {len(sh.layers)} layers) needs about {need / GiB:.1f} GiB to "
+            f"initialise (fp32), but only {free / GiB:.1f} GiB of memory is available here; "
+            "lower model.vocab_size, hidden_size or num_layers (`preinfer plan` shows the sizes)"
+        )
+    return out
 
 
 def check_vocab(ckpt, store) -> None:

@@ -105,6 +105,18 @@ def check_run(run_dir: str | Path, ckpt, stage: str) -> dict:
     `ckpt`. One line: what differs and what to do."""
     state = load_run_state(run_dir)
     why = run_mismatch(state, ckpt)
+    for _ in range(5):  # a commit and its record in state.json are two writes: a reader beside
+        if why is None:  # a running bcd that read one before and one after reads both again
+            break
+        try:
+            index = Checkpoint.open(ckpt.path).index
+        except CheckpointError:
+            break
+        again = load_run_state(run_dir)
+        if (again, index) == (state, ckpt.index):
+            break  # neither changed: the mismatch is real
+        state, ckpt.index = again, index  # the reader goes on with the newer commit
+        why = run_mismatch(state, ckpt)
     if why is not None:
         raise ConfigError(
             f"run.dir {run_dir} does not belong to its checkpoint: {why}. `preinfer {stage}` "

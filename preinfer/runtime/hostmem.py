@@ -66,3 +66,37 @@ def worker_env(arenas: int) -> dict[str, str]:
     if ARENA_ENV in os.environ:
         return {ARENA_ENV: os.environ[ARENA_ENV]}
     return {ARENA_ENV: str(arenas)} if arenas else {}
+
+
+def available() -> int:
+    """Bytes this process may still allocate: the host's available memory, less where its
+    cgroup (a container's memory limit) or its address-space limit (ulimit -v) caps it lower."""
+    import resource
+    from pathlib import Path
+
+    import psutil
+
+    free = psutil.virtual_memory().available
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        free = min(free, soft - psutil.Process().memory_info().vms)
+    try:  # /proc/self/cgroup lines: "0::<path>" (v2), "<n>:memory:<path>" (v1)
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, ctl, rel = line.split(":", 2)
+        if ctl == "":  # cgroup v2; memory.max is "max" when unlimited
+            files = ("/sys/fs/cgroup", "memory.max", "memory.current")
+        elif "memory" in ctl.split(","):
+            files = ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        base = Path(files[0]) / rel.lstrip("/")
+        try:
+            cap = (base / files[1]).read_text().strip()
+            if cap != "max":
+                free = min(free, int(cap) - int((base / files[2]).read_text()))
+        except (OSError, ValueError):
+            continue
+    return max(0, int(free))

@@ -9,9 +9,11 @@ and round; cache -> cache/seconds, cache/fixed_s per boundary; eval -> eval/loss
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import threading
 from pathlib import Path
 
 METRICS = "metrics.jsonl"
@@ -30,11 +32,19 @@ def append_metrics(run_dir: str | Path, record: dict, *, tensorboard: bool = Fal
     left torn by a kill is ended first, so this record gets a line of its own."""
     path = Path(run_dir) / METRICS
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
-        f.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
+    try:
+        with open(path, "a+b") as f:
+            torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+            f.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
+    except OSError as e:
+        raise _named(e, path) from e
     if tensorboard:
         _tensorboard(run_dir, record)
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """`e` naming `path` when it names no file (a full disk on write or flush)."""
+    return e if e.filename is not None else OSError(e.errno, e.strerror, str(path))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -69,14 +79,47 @@ def close_writers(run_dir) -> None:
         w.close()
 
 
+def _quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises a write error (a full disk) out of its run(), which
+    Python prints as "Exception in thread ..." with a traceback; the writer's next flush raises
+    the same error in its caller (`_tensorboard`, which flushes every record), so the thread's
+    own report is left out. Installed once, on this process's first TensorBoard writer."""
+    prev = threading.excepthook
+    if getattr(prev, "_preinfer_quiet", False):
+        return
+
+    def hook(args) -> None:
+        if not type(args.thread).__module__.startswith("tensorboard."):
+            prev(args)
+
+    hook._preinfer_quiet = True
+    threading.excepthook = hook
+
+
 def _tensorboard(run_dir: str | Path, record: dict) -> None:
     if not tensorboard_available():
         return
+    key, logdir = str(Path(run_dir)), Path(run_dir) / "tensorboard"
+    try:
+        _write_tensorboard(key, logdir, record)
+    except OSError as e:  # a full disk: the writer is broken; a later record makes a new one
+        w = _writers.pop(key, None)
+        mine = sorted(logdir.glob(f"events.out.tfevents.*.{os.getpid()}.*"),
+                      key=lambda p: p.stat().st_mtime)  # fmt: skip
+        if mine and mine[-1].stat().st_size == 0:
+            mine[-1].unlink()  # the event file this process could not begin
+        if w is not None:
+            with contextlib.suppress(Exception):  # a broken writer's close raises it again
+                w.close()
+        raise _named(e, mine[-1] if mine else logdir) from e
+
+
+def _write_tensorboard(key: str, logdir: Path, record: dict) -> None:
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-    key = str(Path(run_dir))
     if key not in _writers:
-        _writers[key] = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        _quiet_writer_threads()
+        _writers[key] = SummaryWriter(log_dir=str(logdir))
     w = _writers[key]
     t = record.get("time")
     ev = record.get("event")
