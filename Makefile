@@ -3,13 +3,14 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 CONFIG  ?= configs/demo.yaml
 BLOCK   ?= 1
+LAYERS  ?= 1
 SET     ?=
 SETARGS := $(foreach s,$(SET),--set $(s))
 CLI     := $(PY) -m pipelines.cli
 PYTEST_WORKERS ?=
 OUT     ?= runs/export
 
-.PHONY: setup test test-slow test-targets test-functional test-cluster lint format demo tokenize init preinfer refresh train bcd eval export plan report study bench real-model clean
+.PHONY: setup test test-slow test-targets test-functional test-cluster lint format demo tokenize init preinfer refresh extract train bcd eval export plan report study bench real-model clean
 
 setup: $(STAMP)
 
@@ -58,6 +59,9 @@ preinfer: $(STAMP)
 
 refresh: $(STAMP)
 	$(CLI) cache refresh --block $(BLOCK) --config $(CONFIG) $(SETARGS)
+
+extract: $(STAMP)  # LAYERS=6,12 [SPLIT=val] [MAX_ROWS=N]: hidden states at those layers, one cache each
+	$(CLI) cache extract --layers $(LAYERS) --config $(CONFIG) $(if $(SPLIT),--split $(SPLIT)) $(if $(MAX_ROWS),--max-rows $(MAX_ROWS)) $(SETARGS)
 
 train: $(STAMP)
 	$(CLI) train --block $(BLOCK) --config $(CONFIG) $(SETARGS)

@@ -9,6 +9,7 @@ is allowed. Nothing here knows the concrete configs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -63,6 +64,27 @@ def _type_name(tp: Any) -> str:
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
+def _finite(value: float, where: str) -> float:
+    """Every float field of every config is finite: YAML's .nan / .inf (or 1e999) would pass a
+    `> 0` check (inf) or none (nan: every comparison is false) and reach torch or the planner."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: {value} is not a finite number; give a number such as 0.1")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse `type=` of a float option: nan / inf are refused as the config's are."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against type `tp` (coercing int->float), or raise ConfigError naming `where`."""
     origin = typing.get_origin(tp)
@@ -89,6 +111,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
                 return coerce(value, arg, where)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # `float | None` and the like: the one type's own reason
+            raise ConfigError(errors[0])
         raise ConfigError(f"{where}: {value!r} is not a valid {_type_name(tp)}")
     if origin is list:
         (arg,) = typing.get_args(tp) or (Any,)
@@ -113,11 +137,11 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            return _finite(float(value), where)
         # YAML 1.1 reads an exponent without a dot (1e-4, 3e-05: what Python's :g writes) as
         # a string
         if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
-            return float(value)
+            return _finite(float(value), where)
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -48,7 +48,8 @@ from preinfer.plan.guards import (
     check_vocab,
     token_record,
 )
-from preinfer.run.config import Config
+from preinfer.run.config import Config, case_note
+from preinfer.run.health import advice, flag_visits, unigram_record
 from preinfer.run.lock import run_lock
 from preinfer.run.preflight import check_memory
 from preinfer.run.provenance import check_settings
@@ -63,9 +64,9 @@ from preinfer.run.state import (
 )
 from preinfer.run.visit import TrainingDiverged, VisitHooks, finish_committed
 from preinfer.runtime import hostmem
-from preinfer.runtime.metrics import append_metrics, last_visit_summary
+from preinfer.runtime.metrics import append_metrics, last_visit_summary, read_metrics
 from preinfer.schedule.cache_identity import BoundaryPlan, Sources
-from preinfer.schedule.rotation import round_orders, store_budget
+from preinfer.schedule.rotation import round_orders, sample_indices, store_budget
 from preinfer.schedule.visit_plan import VisitPlan, plan_visit
 from storage import fs
 from storage.atomic import dir_bytes, write_json
@@ -214,6 +215,8 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
                                 seq=store.seq_len, M=M)  # fmt: skip
     # every check passed: from here on the run.dir records this run
     state["mode"] = mode
+    if (state.get("unigram") or {}).get("fingerprint") != store.fingerprint:  # once per store
+        state["unigram"] = unigram_record(store, sample_indices(budget, "val", 0))
     if mode != "full":
         state["order"], state["schedule"] = cfg.train.order, cfg.train.schedule
         state["cache_visits"] = cfg.train.cache_visits
@@ -221,6 +224,8 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     save_run_state(cfg.run.dir, state)
     # the resolved config of this run (storage credentials masked)
     write_json(Path(cfg.run.dir) / "config.json", fs.redact(cfg.to_dict()))
+    if note := case_note(cfg):  # the levers a fine-tune got without asking (issue #54)
+        log(f"  {note}")
     check_memory(cfg, ckpt, budget, store.seq_len, mode=mode, log=log)
     if mode == "full":
         visits = [(0, 0)]
@@ -294,9 +299,29 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
             f"train loss {summary.get('loss', float('nan')):.3f}, "
             f"val ppl {_ppl(summary.get('val_loss')):.1f}"
         )
+        for flag in _health(cfg, state, results, mode).get(key, []):
+            log(f"  warning: round {r} block {k}: {flag}")
     state["caches_in_use"] = [] if mode != "bcd" else state["caches_in_use"]
     save_run_state(cfg.run.dir, state)
-    return {"mode": mode, "visits": results}
+    flags = _health(cfg, state, results, mode)
+    if flags:  # the run's summary: visits that committed but did not learn (issue #53)
+        log(f"  warning: {advice(flags)}")
+    return {"mode": mode, "visits": results, "flags": flags}
+
+
+def _health(cfg: Config, state: dict, results: list[dict], mode: str) -> dict[str, list[str]]:
+    """preinfer.run.health's flags of the visits so far (visit key -> phrases); the first
+    visit starts from the loss of its first step (metrics.jsonl, read once per call)."""
+    rows = [{"key": f"r{v.get('round')}-b{v.get('block')}", "val_loss": v.get("val_loss")}
+            for v in results]  # fmt: skip
+    if not rows:
+        return {}
+    first = results[0]
+    steps = [m for m in read_metrics(cfg.run.dir) if m.get("event") == "step"
+             and m.get("step") == 1 and m.get("mode") == mode
+             and (m.get("round"), m.get("block")) == (first.get("round"), first.get("block"))]  # fmt: skip
+    rows[0]["first_loss"] = steps[-1].get("loss") if steps else None
+    return flag_visits(rows, (state.get("unigram") or {}).get("loss"))
 
 
 def _make_current(

@@ -18,12 +18,14 @@ from pipelines.cache_build import build_cache, refresh_cache
 from pipelines.demo import run_demo
 from pipelines.eval import run_eval
 from pipelines.export import run_export
+from pipelines.extract import RECORD as EXTRACT_RECORD
+from pipelines.extract import ExtractConfig, run_extract
 from pipelines.init import run_init
 from pipelines.report import run_report
 from pipelines.tokenize import run_tokenize
 from pipelines.train import run_train_by_hand
 from preinfer.checkpoint.format import CheckpointError
-from preinfer.run.config import Config, load_config
+from preinfer.run.config import Config, case_note, load_config
 from preinfer.run.lock import check_writable, run_lock
 from preinfer.run.plan_report import add_plan_arguments, run_plan
 from storage import cache_tools, fs
@@ -120,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="check a complete cache's shards and rewrite any that fail",
             )
+    p = csub.add_parser(
+        "extract", help="hidden states at chosen layers over a token store, one cache per layer"
+    )
+    _common(p)
+    p.add_argument("--layers", required=True, help="layer ids, e.g. 6,12 (docs/cache_format.md)")
+    p.add_argument("--split", choices=("train", "val"), default="train", help="token-store split")
+    p.add_argument("--max-rows", type=int, default=None, help="at most N rows (the first ones)")
     p = csub.add_parser("ls", help="list caches under a root")
     _common(p)
     p.add_argument("root", nargs="?", default=None, help="cache root (default: the config's)")
@@ -150,6 +159,7 @@ WRITES = {
     "report": ("run.dir",),
     "cache build": ("cache.root",),
     "cache refresh": ("cache.root",),
+    "cache extract": ("run.dir", "cache.root"),  # extracts.json, the caches
 }
 
 
@@ -175,6 +185,8 @@ def _check_dirs(cfg: Config, keys: tuple[str, ...]) -> None:
 def _cmd_config(args) -> int:
     cfg = _load(args)
     print(cfg.to_json())
+    if note := case_note(cfg):  # on stderr: stdout stays the JSON
+        print(f"preinfer config: {note}", file=sys.stderr)
     return 0
 
 
@@ -239,42 +251,44 @@ def _cmd_cache(args) -> int:
 
 
 def _referenced(run_dirs: list[str], named: bool = True) -> set[str]:
-    """Fingerprints that the runs' state files say are in use. Refuses (ConfigError: gc then
-    removes nothing) a run.dir that has no state.json (named: a --run, so a typo, not a run),
-    one whose state.json does not parse, or whose caches_in_use is not a list of
-    fingerprints: its caches could not be kept. The config's run.dir (named=False) may have
-    none (a run that never ran bcd: no caches in use)."""
+    """Fingerprints that the runs' records say are in use: state.json's caches_in_use (bcd) and
+    extracts.json's (`cache extract`). Refuses (ConfigError: gc then removes nothing) a run.dir
+    that has neither (named: a --run, so a typo, not a run), a record that does not parse, or
+    whose caches_in_use is not a list of fingerprints: its caches could not be kept. The
+    config's run.dir (named=False) may have none (no caches in use)."""
     keep: set[str] = set()
     for d in run_dirs:
-        p = Path(d) / "state.json"
-        if not p.is_file() and not named:
-            continue
-        if not p.is_file():
+        records = [Path(d) / n for n in ("state.json", EXTRACT_RECORD) if (Path(d) / n).is_file()]
+        if not records and named:
             raise ConfigError(
-                f"cache gc --run {d}: {p} does not exist, so {d} is not a run (a typo?) and the "
-                "caches a run uses cannot be told from there; nothing was removed. Give the "
-                "run.dir of each run that uses this cache root (where `preinfer bcd` wrote "
-                "state.json)"
+                f"cache gc --run {d}: {Path(d) / 'state.json'} does not exist, so {d} is not a "
+                "run (a typo?) and the caches a run uses cannot be told from there; nothing was "
+                "removed. Give the run.dir of each run that uses this cache root (where "
+                "`preinfer bcd` wrote state.json or `cache extract` wrote extracts.json)"
             )
-        try:
-            fps = json.loads(p.read_text()).get("caches_in_use", [])
-        except (ValueError, AttributeError) as e:  # AttributeError: JSON, but not an object
-            why = str(e) if isinstance(e, ValueError) else "not a JSON object"
-            raise ConfigError(
-                f"cache gc: {p} does not parse ({why}), so the caches that run uses cannot "
-                "be told; nothing was removed. Restore that file (or leave that run out of "
-                "--run if it is gone) and rerun"
-            ) from None
-        if not isinstance(fps, list) or not all(
-            isinstance(f, str) and FP_RE.fullmatch(f) for f in fps
-        ):
-            raise ConfigError(
-                f"cache gc: {p}: caches_in_use is not a list of cache fingerprints "
-                f"({json.dumps(fps)[:80]}), so the caches that run uses cannot be told; "
-                "nothing was removed. Restore that file and rerun"
-            )
-        keep |= set(fps)
+        for p in records:
+            keep |= _in_use(p)
     return keep
+
+
+def _in_use(p: Path) -> set[str]:
+    """The caches_in_use of one run record (state.json or extracts.json)."""
+    try:
+        fps = json.loads(p.read_text()).get("caches_in_use", [])
+    except (ValueError, AttributeError) as e:  # AttributeError: JSON, but not an object
+        why = str(e) if isinstance(e, ValueError) else "not a JSON object"
+        raise ConfigError(
+            f"cache gc: {p} does not parse ({why}), so the caches that run uses cannot "
+            "be told; nothing was removed. Restore that file (or leave that run out of "
+            "--run if it is gone) and rerun"
+        ) from None
+    if not isinstance(fps, list) or not all(isinstance(f, str) and FP_RE.fullmatch(f) for f in fps):
+        raise ConfigError(
+            f"cache gc: {p}: caches_in_use is not a list of cache fingerprints "
+            f"({json.dumps(fps)[:80]}), so the caches that run uses cannot be told; "
+            "nothing was removed. Restore that file and rerun"
+        )
+    return set(fps)
 
 
 def _cache(args, cfg: Config) -> int:
@@ -288,6 +302,11 @@ def _cache(args, cfg: Config) -> int:
         else:
             res = refresh_cache(cfg, args.block, args.round)
         print(json.dumps(res))
+        return 0
+    if cmd == "extract":
+        layers = ExtractConfig.parse_layers(args.layers)
+        ec = ExtractConfig(layers=layers, split=args.split, max_rows=args.max_rows)
+        print(json.dumps(run_extract(cfg, ec)))
         return 0
     root = getattr(args, "root", None) or cfg.cache.root
     if cmd == "ls":

@@ -4,11 +4,13 @@ evaluations and timings as markdown tables, from pipelines/report_data.collect's
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from core.config import to_dict
 from preinfer.run.config import Config
+from preinfer.run.health import advice, flag_visits
 from storage.atomic import human, write_bytes
 
 # ---- the markdown summary ----
@@ -86,6 +88,32 @@ def _progress_section(data: dict, plots: dict[str, Path]) -> list[str]:
     return L
 
 
+def _health_section(data: dict) -> list[str]:
+    """Visits that committed but did not learn (preinfer/run/health.py): a val loss above where
+    the visit started, or at the unigram level (state.json's, made by `bcd`)."""
+    try:
+        state = json.loads((Path(data["run_dir"]) / "state.json").read_text())
+        unigram = (state.get("unigram") or {}) if isinstance(state, dict) else {}
+    except (OSError, ValueError):
+        unigram = {}
+    rows = []
+    for v in data["visits"]:
+        first = [s.get("loss") for s in v.get("step_records") or [] if s.get("step") == 1]
+        rows.append({"key": v["key"], "val_loss": v.get("val_loss"),
+                     "first_loss": first[-1] if first else None})  # fmt: skip
+    flags = flag_visits(rows, unigram.get("loss"))
+    L = ["## Visits that did not learn", ""]
+    if isinstance(unigram.get("loss"), int | float):
+        L += [f"Unigram level {unigram['loss']:.4f} (the loss of the train split's token "
+              "frequencies on the val rows the visits evaluate; train unigram entropy "
+              f"{_f(unigram.get('entropy'))})." , ""]  # fmt: skip
+    if not flags:
+        return L + ["None: every visit's val loss ended at or below where it started and "
+                    "below the unigram level.", ""]  # fmt: skip
+    L += _table(["visit", "flag"], [[k, "; ".join(f)] for k, f in flags.items()])
+    return L + ["", f"**{advice(flags)}**", ""]
+
+
 def write_summary(cfg: Config, data: dict, plots: dict[str, Path], path: Path) -> None:
     fin = data["final"]
     L = [f"# preinfer report: {data['name']}", ""]
@@ -96,6 +124,7 @@ def write_summary(cfg: Config, data: dict, plots: dict[str, Path], path: Path) -
              f"from {'the last `preinfer eval`' if fin['source'] == 'eval' else fin['source']})")  # fmt: skip
     L.append("")
     L += _progress_section(data, plots)
+    L += _health_section(data)
     L += ["## Plots", ""]
     L += [f"![{k}]({p.name})" for k, p in plots.items() if k != "progress"]
     L += ["", "## Config", ""]

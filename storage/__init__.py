@@ -20,12 +20,14 @@ from storage.cache_tools import gc_caches, inspect_cache, list_caches, verify_ca
 from storage.config import CacheConfig, StorageConfig
 from storage.dataset import CacheDataset
 from storage.hf_view import hf_to_torch, to_hf_dataset
+from storage.identity import ExtractSpec, IdentityMismatch
 from storage.layout import CacheError
 from storage.reader import Cache, open_cache
 from storage.tokens import TokenStore, TokenStoreError
 
 __all__ = [
-    "Cache", "CacheConfig", "CacheDataset", "CacheError", "CacheWriter", "StorageConfig",
+    "Cache", "CacheConfig", "CacheDataset", "CacheError", "CacheWriter", "ExtractSpec",
+    "IdentityMismatch", "StorageConfig",
     "TokenStore", "TokenStoreError", "gc_caches", "hf_to_torch", "inspect_cache", "list_caches",
     "open_cache", "to_hf_dataset", "verify_cache",
 ]  # fmt: skip

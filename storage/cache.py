@@ -5,10 +5,11 @@
       scale.zarr/         [N, S] float32 per-token scales (lossy dtypes only)
       samples.parquet     sample_id int64, input_ids list<int32> [S], labels list<int32> [S];
                           one row group per shard (R rows), so a shard's labels are one read
-      build.json          header + the caller's meta at creation (what `CacheWriter.open`
-                          and `cache ls` of an unfinished cache read)
+      build.json          header + the caller's meta (+ identity) at creation (what
+                          `CacheWriter.open` and `cache ls` of an unfinished cache read)
       done/<i:05d>.json   marker of committed shard i: rows, xxh3_128 + bytes of its files, stats
-      manifest.json       written LAST, after every marker: its presence means complete
+      manifest.json       written LAST, after every marker: its presence means complete;
+                          `identity` (storage/identity.py): what a reuser must match
       leases/             while a reader has the cache open: its lease (storage/lease.py)
 
 A writer task owns whole shards. A shard is encoded in memory with exactly the array's Zarr
@@ -42,6 +43,7 @@ from core.fingerprint import CACHE_FORMAT_VERSION
 from storage import atomic, codecs, fs
 from storage.atomic import checksum_entry, checksum_file, dir_bytes, entry_matches, human
 from storage.config import CacheConfig
+from storage.identity import identity_diff, identity_record
 from storage.layout import (
     BUILD,
     DONE,
@@ -85,10 +87,18 @@ FSYNC_MARKERS = False  # see the module docstring
 class CacheWriter:
     """Writes (or resumes) one cache. Make it with `CacheWriter.create(...)`."""
 
-    def __init__(self, cache_dir: Path, header: dict, meta: dict, jsons: dict[str, bytes]):
+    def __init__(
+        self,
+        cache_dir: Path,
+        header: dict,
+        meta: dict,
+        jsons: dict[str, bytes],
+        identity: dict | None = None,
+    ):
         self.dir = cache_dir
         self.header = header  # shape, dtype, codec, rows per shard (also in hidden.zarr attrs)
         self.meta = meta
+        self.identity = identity  # the manifest's identity record (None: a boundary cache)
         self._json = jsons  # array name -> zarr.json bytes
         self._good: dict[int, dict] = {}  # shards known committed by this writer -> marker
 
@@ -104,12 +114,17 @@ class CacheWriter:
         cache_cfg: CacheConfig,
         meta: dict,
         free_bytes: int | None = None,
+        identity: dict | None = None,
     ) -> CacheWriter:
         """Create `<root>/<fingerprint>/`, or open it for resume when its header matches.
 
+        identity: what the cache is made from, as a reuser must match it (storage/identity.py:
+        model, tokenizer, layer, ...); the writer adds the storage facts (dtype, codec, seq_len,
+        hidden_size, format_version) and records it in build.json and the manifest.
+
         Raises CacheError when an existing cache has another header (shape/dtype/codec/shard
-        rows), other samples, or when the estimated size exceeds free disk (`free_bytes`
-        overrides the measured figure; tests use it).
+        rows), other samples or another identity, or when the estimated size exceeds free disk
+        (`free_bytes` overrides the measured figure; tests use it).
         """
         if not fingerprint or "/" in fingerprint or fingerprint.startswith("."):
             raise CacheError(f"bad cache fingerprint {fingerprint!r}: need a plain directory name")
@@ -140,6 +155,7 @@ class CacheWriter:
             "shuffle": cache_cfg.shuffle,
             "level": cache_cfg.level,
         }
+        ident = None if identity is None else identity_record(identity, header)
         try:
             jsons = {
                 HIDDEN: codecs.array_json(
@@ -207,10 +223,22 @@ class CacheWriter:
             pq.write_table(samples_table(sid, ids, labels), buf, row_group_size=rows)
             atomic.write_bytes(sp, buf.getvalue().to_pybytes())
         if not (cache_dir / BUILD).exists():
-            atomic.write_json(cache_dir / BUILD, {"header": header, "meta": meta_blob})
+            build = {"header": header, "meta": meta_blob}
+            atomic.write_json(
+                cache_dir / BUILD, build if ident is None else {**build, "identity": ident}
+            )
+        elif (
+            ident is not None
+            and (old := read_json(cache_dir / BUILD, "build").get("identity")) != ident
+        ):
+            raise CacheError(
+                f"cache {cache_dir} exists with another identity ({identity_diff(old, ident)}); "
+                "same fingerprint must mean same inputs: delete the directory or fix the "
+                "fingerprint inputs"
+            )
         (cache_dir / DONE).mkdir(exist_ok=True)
         atomic.clean_partials(cache_dir)
-        return cls(cache_dir, header, meta_blob, jsons)
+        return cls(cache_dir, header, meta_blob, jsons, ident)
 
     @classmethod
     def open(cls, root: str | Path, fingerprint: str) -> CacheWriter:
@@ -229,7 +257,7 @@ class CacheWriter:
         if attrs.get("preinfer") != build["header"]:
             raise CacheCorrupt(f"{d}: {BUILD} and {HIDDEN}/zarr.json disagree; delete and rebuild")
         atomic.clean_partials(d)
-        return cls(d, build["header"], build.get("meta") or {}, jsons)
+        return cls(d, build["header"], build.get("meta") or {}, jsons, build.get("identity"))
 
     def read_input_ids(self, start: int, stop: int) -> np.ndarray:
         """input_ids [stop-start, S] int32 of rows [start, stop) from samples.parquet."""
@@ -408,12 +436,14 @@ class CacheWriter:
                 f"{' ...' if len(missing) > 20 else ''}; write them (rerun the build) first"
             )
         markers = [self._good[i] for i in range(self.num_shards)]
-        manifest = build_manifest(self.dir, self.header, self.meta, markers)
+        manifest = build_manifest(self.dir, self.header, self.meta, markers, self.identity)
         atomic.write_json(mp, manifest)
         return manifest
 
 
-def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict]) -> dict:
+def build_manifest(
+    cache_dir: Path, header: dict, meta: dict, markers: list[dict], identity: dict | None = None
+) -> dict:
     n, s, hs = header["num_samples"], header["seq_len"], header["hidden_size"]
     stats, error = combine_stats([m["stats"] for m in markers])
     sampling = sampling_record([m["stats"] for m in markers])
@@ -448,4 +478,5 @@ def build_manifest(cache_dir: Path, header: dict, meta: dict, markers: list[dict
         "bytes_per_value": value_bytes / (n * s * hs),
         "compression_ratio": raw / value_bytes,  # vs the stored dtype uncompressed
         "ratio_vs_bf16": 2 * n * s * hs / value_bytes,
+        **({} if identity is None else {"identity": identity}),
     }

@@ -43,13 +43,14 @@ def _cache_dirs(root: str | Path) -> list[Path]:
 
 
 def _meta_fields(meta: dict) -> dict:
-    """boundary / model / tokens / split from a cache's meta dict, whatever its nesting."""
+    """boundary / layer / model / tokens / split from a cache's meta dict, whatever its nesting."""
     model = meta.get("model")
     if isinstance(model, dict):
         model = model.get("name") or model.get("model_type") or model.get("arch")
     tokens = meta.get("tokens", meta.get("token_fingerprint"))
     return {
         "boundary": meta.get("boundary"),
+        "layer": meta.get("layer"),  # an extracted layer cache (pipelines/extract.py)
         "model": model,
         "tokens": tokens[:12] if isinstance(tokens, str) else tokens,
         "split": meta.get("split"),
@@ -120,7 +121,7 @@ def damage_note(row: dict) -> str | None:
 
 
 def list_caches(root: str | Path) -> list[dict]:
-    """One row per cache: fingerprint, boundary, model, tokens, split, N, dtype, size_bytes,
+    """One row per cache: fingerprint, boundary, layer, model, tokens, split, N, dtype, size_bytes,
     compression_ratio, complete, done_shards / total_shards, created, damaged (the files its
     manifest lists that are missing or of the wrong size: then complete is False)."""
     return [_summary(d) for d in _cache_dirs(root)]

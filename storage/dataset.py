@@ -5,12 +5,14 @@ byte-budgeted shuffle buffer, DDP rank / DataLoader worker splits with equal ste
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from core import faults
+from storage.identity import ExtractSpec, check_identity
 from storage.layout import CacheError
 from storage.values import decode, stored_dtype
 
@@ -55,8 +57,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
     order read through a one-shard buffer gives batches of neighbouring documents, which
     train measurably worse (docs/quality.md, 'Cache batch order'). `buffer_size` (rows)
     overrides `buffer_mb`;
-    without shuffle the buffer is one shard (the order does not depend on it).
-    Call set_epoch before iterating; DataLoader workers copy the dataset when they start, so
+    without shuffle the buffer is one shard (the order does not depend on it). The next shard
+    range is read on a helper thread while the last one is buffered and decoded (`prefetched`).
+    expect: the identity the caller expects (storage/identity.py); a cache that differs is
+    refused. Call set_epoch before iterating; DataLoader workers copy the dataset when they start, so
     use persistent_workers=False (the default) or the epoch will not reach them.
     """
 
@@ -73,7 +77,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
         buffer_mb: float = DEFAULT_BUFFER_MB,
         dtype=torch.float32,
         drop_last: bool = False,
+        expect: ExtractSpec | dict | None = None,
     ):
+        if expect is not None:  # IdentityMismatch: one line (a CacheWindow has no manifest)
+            check_identity(cache.manifest, expect, str(cache.dir))
         if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
             raise CacheError(f"bad batch_size/rank/world_size {batch_size}/{rank}/{world_size}")
         if buffer_size is not None and buffer_size <= 0 or buffer_mb <= 0:
@@ -128,23 +135,23 @@ class CacheDataset(torch.utils.data.IterableDataset):
         buf: list | None = None  # [values (cap, S, H) stored dtype, scale (cap, S) | None]
         labels = torch.empty((cap, c.seq_len), dtype=torch.long)  # (cap, S) paired with buf
         held = 0
-        for a, b in plan:
-            s = a
-            while s < b:  # pieces within one shard and the buffer's free rows
-                e = min(b, (s // rps + 1) * rps, s + cap - held)
-                v, sc = c.read_stored(s, e)
+        reads = [(s, min(b, (s // rps + 1) * rps)) for a, b in plan for s in _cuts(a, b, rps)]
+        for v, sc, lab in prefetched(c, reads):  # each range within one shard, read ahead
+            off = 0
+            while off < len(v):  # into the buffer's free rows
+                k = min(len(v) - off, cap - held)
                 if buf is None:
                     buf = [np.empty((cap, *v.shape[1:]), v.dtype), None]
                     if sc is not None:
                         buf[1] = np.empty((cap, *sc.shape[1:]), sc.dtype)
-                buf[0][held : held + e - s] = v
+                buf[0][held : held + k] = v[off : off + k]
                 if sc is not None:
-                    buf[1][held : held + e - s] = sc
-                labels[held : held + e - s] = c.read_labels(s, e)[0]
-                del v, sc
-                held, s = held + e - s, e
+                    buf[1][held : held + k] = sc[off : off + k]
+                labels[held : held + k] = lab[off : off + k]
+                held, off = held + k, off + k
                 if held == cap:
                     held = yield from self._flush(buf, labels, held, rng, final=False)
+            del v, sc, lab
         if held:
             yield from self._flush(buf, labels, held, rng, final=True)
 
@@ -172,6 +179,35 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 buf[1][: len(ix)] = buf[1][ix]
             labels[: len(ix)] = labels[rest]
         return len(rest)
+
+
+def _cuts(a: int, b: int, rps: int) -> range:
+    """Starts of the pieces of rows [a, b) cut at shard boundaries (shards of rps rows)."""
+    return range(a, b, rps) if a % rps == 0 else [a, *range((a // rps + 1) * rps, b, rps)]
+
+
+def prefetched(cache: Cache, reads: list[tuple[int, int]]):
+    """(stored values, scale | None, labels [n, S] long) of each row range, in order. The next
+    range is read on a helper thread while the caller works on this one, so the disk (or the
+    object store) reads while the buffer is filled and batches are decoded; one read is in
+    flight at a time, so the Cache is never read by two threads at once. Memory: two ranges."""
+    if not reads:
+        return
+
+    def read(s: int, e: int):
+        return (*cache.read_stored(s, e), cache.read_labels(s, e)[0])
+
+    with ThreadPoolExecutor(1, thread_name_prefix="cache-read") as pool:
+        nxt = pool.submit(read, *reads[0])
+        try:
+            for j in range(len(reads)):
+                cur = nxt.result()
+                nxt = pool.submit(read, *reads[j + 1]) if j + 1 < len(reads) else None
+                yield cur
+                del cur
+        finally:
+            if nxt is not None:
+                nxt.cancel() or nxt.exception()  # a stopped reader: let the read end first
 
 
 def reads_whole(rows: int, row_bytes: int, mb: float) -> bool:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from storage.identity import ExtractSpec, check_identity
 from storage.values import decode, is_lossy, stored_dtype
 
 if TYPE_CHECKING:
@@ -58,7 +59,9 @@ def _rows(cache: Cache):
         del stored, scale, labels, sids  # before the next shard is read
 
 
-def to_hf_dataset(cache: Cache, cache_dir: str | Path | None = None):
+def to_hf_dataset(
+    cache: Cache, cache_dir: str | Path | None = None, *, expect: ExtractSpec | dict | None = None
+):
     """The cache as a `datasets.Dataset`, bit-exact: stored values, not decoded.
 
     Columns: sample_id int64; labels [S] int32; hidden Array2D (S, H) of the stored dtype
@@ -72,9 +75,12 @@ def to_hf_dataset(cache: Cache, cache_dir: str | Path | None = None):
     cache, which may be read-only or remote), which the Dataset memory-maps; memory stays
     about one shard whatever the cache's size. The files are keyed by `view_fingerprint`, so a
     second call on the same cache reuses them. Nothing is downloaded. The view takes as much
-    disk as the cache holds uncompressed.
+    disk as the cache holds uncompressed. expect: the identity the caller expects
+    (storage/identity.py); a cache that differs is refused before anything is written.
     """
     import datasets  # deferred: heavy, and only the HF view needs it
+
+    check_identity(cache.manifest, expect, str(cache.dir))
 
     fp = view_fingerprint(cache)
     ds = datasets.Dataset.from_generator(

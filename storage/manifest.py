@@ -9,7 +9,8 @@ stays inside `cache_dir` (symlinks resolved).
 What is checked: the format version first (another version may have another schema); then the
 type of every field the code reads; the header against the shard list (counts, row ranges)
 and against hidden.zarr/zarr.json (shape, shard rows, stored type); each file entry (size in
-range, checksum algorithm and hex digest). Informational fields (stats, sizes, ratios) are
+range, checksum algorithm and hex digest); the identity record, where there is one (its field
+types, and its storage facts against the header). Informational fields (stats, sizes, ratios) are
 type-checked only when present, so an older manifest without one still opens.
 """
 
@@ -22,6 +23,7 @@ from typing import Any, NoReturn
 
 from core.fingerprint import CACHE_FORMAT_VERSION
 from storage import fs
+from storage.identity import check_record
 from storage.layout import HIDDEN, MANIFEST, SAMPLES, SCALE, CacheCorrupt, CacheError
 from storage.values import STORED_NP, is_lossy
 
@@ -241,6 +243,16 @@ def _check(m: Any, cache_dir: Any) -> None:
         _entry(e, f"files[{_short(rel)}]")
     if need - set(files):
         _fail(f"files lists no {', '.join(sorted(need - set(files)))}")
+
+    ident = _typed(m, "identity", dict, required=False)  # extract caches (storage/identity.py)
+    if ident is not None:
+        if (bad := check_record(ident, "identity")) is not None:
+            _fail(bad)
+        header = {"dtype": dtype, "codec": h.get("codec"), "seq_len": s, "hidden_size": hs,
+                  "format_version": v}  # fmt: skip
+        for k, want in header.items():
+            if k in ident and ident[k] != want:
+                _fail(f"identity.{k} {_short(ident[k])} differs from header.{k} {_short(want)}")
 
     # informational fields: checked only when present
     _typed(m, "created", str, required=False)

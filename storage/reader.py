@@ -28,6 +28,7 @@ import torch
 from core.fingerprint import CACHE_FORMAT_VERSION
 from storage import fs, lease
 from storage.atomic import entry_algo, file_matches, hasher, read_array, read_into
+from storage.identity import ExtractSpec, cache_identity, check_identity
 from storage.layout import (
     HIDDEN,
     MANIFEST,
@@ -70,6 +71,7 @@ def open_cache(
     *,
     expected_fingerprint: str | None = None,
     expected_meta: dict | None = None,
+    expect: ExtractSpec | dict | None = None,
     verify: bool = False,
     check_reads: bool = True,
     lease_s: float | None = lease.DEFAULT_LEASE_S,
@@ -80,7 +82,9 @@ def open_cache(
     `expected_fingerprint`; names differing meta fields when `expected_meta` is given or the
     expected cache's manifest exists under root), CacheCorrupt (checksums; all shards are
     hashed when verify=True, otherwise each shard when read; check_reads=False skips the
-    per-read checksum (size checks only) once a cache has been verified).
+    per-read checksum (size checks only) once a cache has been verified), IdentityMismatch
+    (a FingerprintMismatch: the cache's identity differs from `expect` in a field, e.g.
+    expect={"layer": 6, "model": model_hash}; storage/identity.py).
 
     lease_s (cache.lease_s): the Cache holds a lease of that length on the cache, renewed
     while it is open, which gc respects; None: no lease. A cache that cannot be written (a
@@ -93,6 +97,7 @@ def open_cache(
     held = lease.read_lease(cdir, lease_s)  # before the manifest is read: storage/lease.py
     try:
         cache = _open(cdir, expected_fingerprint, expected_meta, verify, check_reads)
+        check_identity(cache.manifest, expect, str(cdir))
     except BaseException:
         if held is not None:
             held.release()
@@ -180,6 +185,11 @@ class Cache:
         self._last: tuple[int, dict[str, np.ndarray]] | None = None  # last partly read shard
         self._last_samples: tuple[int, np.ndarray, np.ndarray] | None = None  # (group, ids, lab)
         self._pq: pq.ParquetFile | None = None
+
+    @property
+    def identity(self) -> dict:
+        """What the cache was made from (model, tokenizer, layer, dtype...; storage/identity.py)."""
+        return cache_identity(self.manifest)
 
     def __getstate__(self):  # picklable for DataLoader workers: no open handles / buffers
         # the lease stays with the process that opened the cache (it renews it)
@@ -285,13 +295,47 @@ class Cache:
                 f"shard {i}: {HIDDEN} cannot be decoded ({e}); rebuild the cache"
             ) from None
 
+    def _read_span(self, i: int, a: int, b: int) -> np.ndarray | None:
+        """Rows [a, b) of shard i read alone (a ranged read: the shard's index, then just
+        those rows' bytes), where a whole-shard read is only needed for its checksum: with
+        check_reads=False, on local disk, for a dense uncompressed shard (codec none, no scale
+        file). None otherwise, or where the index does not say the rows lie densely."""
+        files = self.manifest["shards"][i]["files"]
+        hc = shard_codec(self._json[HIDDEN])
+        s0, s1 = self.shard_range(i)
+        span = hc.dense_payload(s1 - s0)
+        if self.check_reads or fs.is_url(self.dir) or len(files) != 1 or span is None:
+            return None
+        ((rel, want),) = files.items()
+        out = np.empty((b - a, *hc.shape[1:]), stored_dtype(self.dtype))
+        index = np.empty(hc.index_nbytes, np.uint8)
+        try:
+            with open(self.dir / rel, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != want["bytes"] or size != span[1] + hc.index_nbytes:
+                    return None  # not the layout (or not the file) the manifest records
+                f.seek(0 if hc.index_at_start else size - hc.index_nbytes)
+                got = read_into(f, [index])
+                f.seek(span[0] + (a - s0) * hc.chunk_nbytes)
+                got += read_into(f, [memoryview(out).cast("B")])
+        except FileNotFoundError:
+            raise CacheCorrupt(f"shard {i}: {rel} is missing; rebuild the cache") from None
+        try:
+            dense = got == index.nbytes + out.nbytes and hc.is_dense(hc.parse_index(index), s1 - s0)
+        except CodecError as e:
+            raise CacheCorrupt(
+                f"shard {i}: {HIDDEN} cannot be decoded ({e}); rebuild the cache"
+            ) from None
+        return out if dense else None
+
     def read_stored(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Raw stored values [n, S, H] (+ scale [n, S] for lossy) of rows [start, stop).
 
         The arrays are the caller's own (never shared with another call's result). A read of
         several shards goes straight into one output array (codec none: file -> result, one
         copy); a single whole shard is read into a fresh buffer and viewed (codec none) or
-        decoded; part of a shard is cut from the shard's bytes, kept for the next read.
+        decoded; part of a shard is cut from the shard's bytes, kept for the next read (with
+        check_reads=False, a dense uncompressed shard's rows are read alone: `_read_span`).
         """
         self._check_range(start, stop)
         first, last = start // self.rows_per_shard, (stop - 1) // self.rows_per_shard
@@ -303,6 +347,8 @@ class Cache:
             )
         if len(pieces) == 1:
             i, a, b, whole = pieces[0]
+            if not whole and (v := self._read_span(i, a, b)) is not None:
+                return v, None
             blobs, kept = self._shard_bytes(i, keep=not whole)
             v = self._decode(HIDDEN, i, blobs, a, b)
             sc = self._decode(SCALE, i, blobs, a, b) if SCALE in blobs else None
@@ -316,6 +362,9 @@ class Cache:
         for i, a, b, whole in pieces:
             dest = out[a - start : b - start]
             if whole and self._read_into(i, dest):
+                continue
+            if not whole and (v := self._read_span(i, a, b)) is not None:
+                dest[...] = v
                 continue
             blobs, _ = self._shard_bytes(i, keep=not whole)
             dest[...] = self._decode(HIDDEN, i, blobs, a, b)

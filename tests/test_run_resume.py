@@ -197,8 +197,10 @@ def test_the_bf16_path_killed_mid_visit_resumes_to_an_uninterrupted_runs_bytes(t
     assert bcd(runs["killed"]) == 0
     # under bf16 autocast the odd first product of a fresh process (docs/failures.md) is a bf16
     # ulp, 2^-8 relative: seen moving 264 of block 0's 24,992 values (1.06%, trained before the
-    # kill, alike in both runs) past 1e-4 on an AMX Xeon; a step twice or skipped moves ~all
-    assert_same_weights(runs["clean"] / "checkpoint", runs["killed"] / "checkpoint", share=0.05)
+    # kill, alike in both runs) past 1e-4 on an AMX Xeon, and 2,841 of block 1's 25,408 (11.2%,
+    # the block resumed mid-visit: two bf16 steps carry it) on CI's machine; a step twice or
+    # skipped moves ~all of the block by ~lr (3e-3), so 30% still tells one from the other
+    assert_same_weights(runs["clean"] / "checkpoint", runs["killed"] / "checkpoint", share=0.3)
     assert hashes(runs["clean"] / "checkpoint") != hashes(tiny_base / "checkpoint")
     visits = [json.loads(x) for x in (runs["killed"] / "metrics.jsonl").read_text().splitlines()]
     assert any(v.get("event") == "visit" and v["block"] == 1 for v in visits)

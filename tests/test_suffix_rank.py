@@ -298,3 +298,24 @@ def test_a_rotation_reads_only_current_caches(llama_run, order, seed):
 
     res = run_bcd(cfg, log=quiet, hooks=VisitHooks(batches=check), on_visit=after)
     assert len(res["visits"]) == 8 and len(read) == 6  # block 0 reads tokens
+
+
+@pytest.mark.parametrize(
+    ("lr", "want"),
+    [(3e-4, 3e-3),  # a fine-tune's lr: 10x, the measured best there
+     (2e-3, 3e-3),  # a pretraining's: capped (10x = 2e-2 diverged to the unigram level, #53)
+     (1e-2, 1e-2),  # above the cap: never below the block's own
+     (1e-5, 1e-4)],
+)  # fmt: skip
+def test_the_null_suffix_lr_rule_holds_from_finetune_to_pretraining_lrs(lr, want):
+    from preinfer.train.config import TrainConfig
+    from preinfer.train.step import build_optimizer
+
+    block, suffix = [torch.nn.Parameter(torch.zeros(2))], [torch.nn.Parameter(torch.zeros(2))]
+    opt = build_optimizer(block, TrainConfig(lr=lr, suffix_rank=4), suffix)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr)
+    assert opt.param_groups[1]["lr"] == pytest.approx(want)
+    assert opt.param_groups[1]["lr_scale"] == pytest.approx(want / lr)
+    # a set train.suffix_lr is the user's, whatever the block's lr
+    opt = build_optimizer(block, TrainConfig(lr=lr, suffix_rank=4, suffix_lr=0.02), suffix)
+    assert opt.param_groups[1]["lr"] == pytest.approx(0.02)

@@ -74,6 +74,8 @@ class ModelConfig:
                 )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta must be > 0, got {self.rope_theta}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,11 +9,12 @@ beside every output) names every path explicitly.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from core.config import ConfigError, apply_override, from_dict, load_yaml, to_dict
 from preinfer.data.config import DataConfig
@@ -69,6 +70,9 @@ class Config:
     """Pre-inference Ray job."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Block trainer and rotation."""
+    # the case defaults config_from_dict filled in (dotted key -> value; not a field: the
+    # values are in the sections, so to_dict and every recorded config.json hold them)
+    from_case: ClassVar[dict[str, Any]] = {}
 
     def __post_init__(self):
         # Absolute paths: Ray workers (actors, Train workers) do not share the driver's cwd.
@@ -111,8 +115,59 @@ def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+# A run initialised from a pretrained model (model.checkpoint set: a fine-tune, a chat fine-tune)
+# gets the fine-tune levers measured best on SmolLM2-135M-Instruct (issue #41, docs/economics.md:
+# rank-16 suffix adapters and the frozen embedding, val loss 2.740 against 2.874 without, peak
+# RSS below LoRA r16's) unless its config sets them. Pretraining (random init, any data format)
+# keeps the dataclass defaults: its own measured settings (issue #42).
+FINETUNE_DEFAULTS: dict[str, Any] = {"train.suffix_rank": 16, "train.freeze": ["embed"]}
+
+
+def case_of(data: dict) -> str:
+    """'fine-tune' or 'pretraining', from a config's data as given (YAML + overrides)."""
+    model, dat = (d if isinstance(d, dict) else {} for d in (data.get("model"), data.get("data")))
+    # chat / prompt_response data on a random init is a pretraining case: the levers were measured
+    # on pretrained models, and a frozen random embedding stops a visit learning (tests/test_chat)
+    if model.get("checkpoint") is not None:
+        return "fine-tune"
+    return "pretraining"
+
+
+def case_defaults(data: dict) -> tuple[dict, dict[str, Any]]:
+    """(`data` with its case's defaults filled in where it does not set the key, those defaults).
+    A key the config sets, in its YAML or a --set, is never replaced; `data` is not changed."""
+    if case_of(data) != "fine-tune":
+        return data, {}
+    out, applied = dict(data), {}
+    for key, value in FINETUNE_DEFAULTS.items():
+        section, name = key.split(".")
+        sec = out.get(section)
+        if sec is None:
+            sec = {}
+        if not isinstance(sec, dict) or name in sec:
+            continue  # not a mapping: from_dict says so; set: the user's
+        out[section] = {**sec, name: copy.deepcopy(value)}
+        applied[key] = value
+    return out, applied
+
+
+def case_note(cfg: Config) -> str | None:
+    """One line naming the settings a run got from its case, or None."""
+    if not cfg.from_case:
+        return None
+    got = ", ".join(f"{k}={json.dumps(v)}" for k, v in cfg.from_case.items())
+    return (
+        f"fine-tune defaults (model.checkpoint is set): "
+        f"{got}; set a key in the config or with --set to choose otherwise"
+    )
+
+
 def config_from_dict(data: dict) -> Config:
-    return from_dict(Config, data)
+    """The root config; the case's defaults (FINETUNE_DEFAULTS) fill what `data` does not set."""
+    data, applied = case_defaults(data) if isinstance(data, dict) else (data, {})
+    cfg = from_dict(Config, data)
+    cfg.from_case = applied
+    return cfg
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

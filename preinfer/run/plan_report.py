@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import ConfigError, field_docs
+from core.config import ConfigError, field_docs, finite_float
 from preinfer.model.partition import partition_layers
 from preinfer.model.shape import model_shape
 from preinfer.plan.costmodel import Flops
@@ -151,6 +151,7 @@ def add_plan_arguments(parser) -> None:
         tp = next(
             t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)
         )
+        tp = finite_float if tp is float else tp  # --gpu-mem nan: one line, not a traceback
         parser.add_argument(flag, type=tp, default=f.default, help=docs[f.name])
 
 

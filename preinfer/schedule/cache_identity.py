@@ -81,6 +81,8 @@ class PreinferConfig:
             )
         if self.cpus_per_actor <= 0:
             raise ConfigError(f"preinfer.cpus_per_actor must be > 0, got {self.cpus_per_actor}")
+        if self.gpus_per_actor < 0:
+            raise ConfigError(f"preinfer.gpus_per_actor must be >= 0, got {self.gpus_per_actor}")
         if self.max_restarts < 0:
             raise ConfigError(f"preinfer.max_restarts must be >= 0, got {self.max_restarts}")
         if self.max_task_retries < -1:

@@ -11,9 +11,14 @@ from core.config import ConfigError
 
 # The paper's defaults per optimizer: (lr, momentum, weight decay).
 PAPER_DEFAULTS = {"sgd": (0.1, 0.9, 1e-5), "adam": (1e-4, 0.0, 1e-5), "adamw": (1e-4, 0.0, 1e-5)}
-# train.suffix_lr null: the suffix adapters' peak lr = this x the block's (LoRA's best lr in our
-# bench was 10x bcd's)
+# train.suffix_lr null: the suffix adapters' peak lr = min(SUFFIX_LR_MULTIPLE x the block's,
+# max(the block's, SUFFIX_LR_CAP)). A fine-tune's 3e-4 gives 3e-3, the measured best there
+# (LoRA's best lr in our bench was 10x bcd's; 1e-3 was worse, docs/economics.md); a
+# pretraining's 2e-3 gives 3e-3, not 10x = 2e-2, which diverged to the unigram level (issue
+# #53: ppl 531 against 45; 1x gave 44.2). On a tiny LLaMA at lr 2e-3 (H4): 10x 5.952 (the
+# unigram level, 5.935), 1.5x 5.506, 1x 5.493 whole-val loss.
 SUFFIX_LR_MULTIPLE = 10.0
+SUFFIX_LR_CAP = 3e-3
 
 
 @dataclass(kw_only=True)
@@ -31,7 +36,7 @@ class TrainConfig:
     suffix_rank: int = 0
     """bcd modes: rank r of LoRA adapters (W x + alpha/r B A x; B starts at 0) on the layer linears of blocks K+1..M-1 (train.suffix_modules; never the embedding or the LM head), trained in the same backward as block K and merged into those blocks at the visit's commit, as BREAD does; they follow block K, so no cache is invalidated. 0 = off; full ignores it (preinfer/train/suffix.py)."""
     suffix_lr: float | None = None
-    """Peak learning rate of the suffix adapters (the block's warmup + cosine shape); null = 10 x the block's peak lr (train.lr, or its optimizer's default)."""
+    """Peak learning rate of the suffix adapters (the block's warmup + cosine shape); null = 10 x the block's peak lr (train.lr, or its optimizer's default), at most 3e-3 unless the block's is higher (then the block's): 3e-3 at a fine-tune's 3e-4 and at a pretraining's 2e-3, where 10x diverged."""
     suffix_alpha: float | None = None
     """LoRA scale numerator: the adapters add alpha / suffix_rank x B A; null = 2 x suffix_rank (scale 2)."""
     suffix_modules: Literal["all", "attn", "mlp"] = "all"
@@ -132,8 +137,11 @@ class TrainConfig:
             )
         if self.shuffle_buffer_mb <= 0:
             raise ConfigError(f"train.shuffle_buffer_mb must be > 0, got {self.shuffle_buffer_mb}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        for name in ("grad_clip", "weight_decay", "min_delta"):
+            if (getattr(self, name) or 0) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise ConfigError(f"train.momentum must be in [0, 1) or null, got {self.momentum}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.betas is not None and (
@@ -151,6 +159,13 @@ class TrainConfig:
         it: train.prefix_adapters=last in ascending order (preinfer.schedule.visit_plan decides
         per visit, for every order)."""
         return self.prefix_adapters == "last" and self.order == "ascending"
+
+    def suffix_peak_lr(self) -> float:
+        """The suffix adapters' peak lr: train.suffix_lr, or by the null rule (SUFFIX_LR_CAP)."""
+        if self.suffix_lr is not None:
+            return self.suffix_lr
+        lr = self.resolved_optim()["lr"]
+        return min(SUFFIX_LR_MULTIPLE * lr, max(lr, SUFFIX_LR_CAP))
 
     def resolved_optim(self) -> dict:
         """lr, momentum, weight decay and betas with the paper's defaults filled in."""

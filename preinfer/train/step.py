@@ -8,7 +8,7 @@ import math
 import torch
 
 from preinfer.runtime.device import autocast
-from preinfer.train.config import SUFFIX_LR_MULTIPLE, TrainConfig
+from preinfer.train.config import TrainConfig
 
 
 def build_optimizer(
@@ -22,7 +22,7 @@ def build_optimizer(
     o = cfg.resolved_optim()
     groups = [{"params": params, "lr_scale": 1.0}]
     if suffix:
-        peak = cfg.suffix_lr if cfg.suffix_lr is not None else SUFFIX_LR_MULTIPLE * o["lr"]
+        peak = cfg.suffix_peak_lr()
         groups.append({"params": suffix, "lr": peak, "lr_scale": peak / o["lr"]})
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
