@@ -46,13 +46,14 @@ from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.adapters import forward_blocks
-from preinfer.model.loss import evaluate_tokens, mode_loss
+from preinfer.model.evaluation import evaluate_tokens
+from preinfer.model.loss import mode_loss
 from preinfer.model.partition import trainable_parameters
 from preinfer.run.config import load_config
 from preinfer.run.state import load_run_state
 from preinfer.run.visit import VisitHooks
 from preinfer.runtime.memstats import current_memory_mb, peak_memory_mb, reset_peak_memory
-from preinfer.schedule.rotation import store_budget
+from preinfer.schedule.rotation import store_budget, val_indices
 from preinfer.train.batches import CacheBatches, endless
 from preinfer.train.step import build_optimizer, train_step
 from storage.tokens import TokenStore
@@ -267,7 +268,8 @@ def prepare(config: str | None, overrides: list[str], init: Path):
 
 
 def eval_run(config: str | None, overrides: list[str], batches: int) -> dict:
-    """`preinfer eval` of a run's checkpoint over the first `batches` val batches (0 = all)."""
+    """`preinfer eval` of a run's checkpoint over `batches` x batch val rows spread over the split
+    (rotation.val_indices; 0 = all)."""
     res = run_eval(load_config(config, overrides), max_batches=batches, log=quiet)
     return {"loss": res["loss"], "ppl": res["ppl"]}
 
@@ -278,8 +280,9 @@ def model_eval(visit, store: TokenStore, batch_size: int, batches: int) -> dict:
     was = visit.model.training
     visit.model.eval()
     M = visit.part.num_blocks
+    rows = val_indices(store.num_samples("val"), batches * batch_size, visit.cfg.train.seed)
     res = evaluate_tokens(lambda ids: forward_blocks(visit.adapter, visit.part, ids, 0, M), store,
-                          batch_size=batch_size, max_batches=batches)  # fmt: skip
+                          batch_size=batch_size, rows=rows)  # fmt: skip
     visit.model.train(was)
     return {"loss": res["loss"], "ppl": res["ppl"]}
 

@@ -22,9 +22,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from bench.arms import Clock, PeakMemory, eval_run, evaluating, prepare
 from bench.harness import ROOT
 from preinfer.checkpoint.store import Checkpoint
-from preinfer.model.loss import evaluate_tokens, lm_loss
+from preinfer.model.evaluation import evaluate_tokens
+from preinfer.model.loss import lm_loss
 from preinfer.run.config import load_config
-from preinfer.schedule.rotation import store_budget
+from preinfer.schedule.rotation import sample_indices, store_budget
 from preinfer.schedule.visit_plan import plan_visit
 from preinfer.train.batches import TokenBatches, endless
 from preinfer.train.config import TrainConfig
@@ -65,7 +66,9 @@ class Scale:
     cache_dtype: str = "bf16"  # of the bcd arm's caches (fp32: as bcd-recompute computes them)
     bcd_set: list[str] = field(default_factory=list)  # the bcd arms' own overrides
     warmup_steps: int = 5  # of the run (bcd: of its rotation, train.schedule=run)
-    eval_batches: int = 4  # an evaluation reads the first eval_batches x batch val rows (0: all)
+    eval_batches: int = (
+        4  # an evaluation reads eval_batches x batch val rows spread over val (0: all)
+    )
     data: str = "stdlib"  # the instruction set: stdlib or the held-out sitepkgs
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     # peak lrs swept per arm on the first seed (bcd-recompute runs at bcd's)
@@ -279,6 +282,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
                                  f"train.seed={spec['seed']}"])  # fmt: skip
     store = TokenStore(cfg.data.out_dir)
     budget = store_budget(cfg.train, cfg.preinfer.sample_fraction, store)
+    val_rows = sample_indices(budget, "val", 0)  # the rows preinfer's visits evaluate on
     M, rounds, per_visit = spec["M"], cfg.train.rounds, budget.steps
     total = rounds * M * per_visit
     # one warmup + cosine over the run (preinfer's lr_at, the full mode's shape)
@@ -313,7 +317,7 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
             model.eval()
             point["loss"] = evaluate_tokens(lambda ids: model(input_ids=ids, use_cache=False).logits,
                                             store, batch_size=cfg.train.batch_size,
-                                            max_batches=spec["eval_batches"])["loss"]  # fmt: skip
+                                            rows=val_rows)["loss"]  # fmt: skip
             model.train()
         return point
 

@@ -297,7 +297,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
         log(
             f"  round {r} block {k} [{mode}, input: {action}]: {summary.get('steps')} steps, "
             f"train loss {summary.get('loss', float('nan')):.3f}, "
-            f"val ppl {_ppl(summary.get('val_loss')):.1f}"
+            f"val ppl {_ppl(summary.get('val_loss')):.1f}{_sample(summary)}"
         )
         for flag in _health(cfg, state, results, mode).get(key, []):
             log(f"  warning: round {r} block {k}: {flag}")
@@ -307,6 +307,15 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     if flags:  # the run's summary: visits that committed but did not learn (issue #53)
         log(f"  warning: {advice(flags)}")
     return {"mode": mode, "visits": results, "flags": flags}
+
+
+def _sample(summary: dict) -> str:
+    """' +- 9.3 (32 of 1,142 val rows)' when the visit's val figure is over a sample of the
+    split (its standard error, first order in ppl); '' over the whole split."""
+    v = summary.get("val_sample") or {}
+    if not v or v["rows"] >= v["of"]:
+        return ""
+    return f" +- {_ppl(summary['val_loss']) * v['se']:.1f} ({v['rows']:,} of {v['of']:,} val rows)"
 
 
 def _health(cfg: Config, state: dict, results: list[dict], mode: str) -> dict[str, list[str]]:

@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="val loss and perplexity of the checkpoint")
     _common(p)
-    p.add_argument("--batches", type=int, default=0, help="val batches (0 = all)")
+    p.add_argument("--batches", type=int, default=0,
+                   help="N x train.batch_size val rows spread over the split, by train.seed, "
+                   "with the standard error (0 = the whole split)")  # fmt: skip
 
     p = sub.add_parser(
         "export", help="the checkpoint + tokenizer as a Hugging Face transformers directory"
@@ -203,7 +205,6 @@ def _cmd_init(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-
     res = run_eval(_load(args), max_batches=args.batches)
     print(json.dumps(res))
     return 0

@@ -110,22 +110,25 @@ def _demo(cfg: Config, log) -> dict:
         )
     for b, info in enumerate(ckpt.block_summaries()):
         log(f"  block {b}: {info}")
-    nb = cfg.train.eval_batches
     if rec is not None and rec.get("before"):
         before = rec["before"]  # the untrained checkpoint's, measured by the first run
-        log(f"  val perplexity before training: {before['ppl']:.1f} (as the first run measured)")
+        whole = "of_rows" in before and before["rows"] == before["of_rows"]
+        how = "the whole val split" if whole else "its first val rows: not comparable"
+        log(f"  val perplexity before training: {before['ppl']:.1f} (as the first run measured, "
+            f"{how})")  # fmt: skip
     else:
-        before = run_eval(cfg, max_batches=nb, log=log)
+        before = run_eval(cfg, log=log)  # the whole val split: seconds
         write_json(rec_path, {"config": fs.redact(cfg.to_dict()), "before": before})
     log(
         f"== BCD: {cfg.train.rounds} round(s) x {ckpt.num_blocks} blocks, "
         f"{cfg.train.max_steps} steps per block, mode {cfg.train.mode}"
     )
     bcd = run_bcd(cfg, log=log)
-    after = run_eval(cfg, max_batches=nb, log=log)
+    after = run_eval(cfg, log=log)
     log(
-        f"== val perplexity {before['ppl']:.1f} -> {after['ppl']:.1f} "
-        f"({store.num_samples('train')} train samples; {time.perf_counter() - t0:.0f}s in all)"
+        f"== val perplexity {before['ppl']:.1f} -> {after['ppl']:.1f} on the whole val split "
+        f"({after['of_rows']:,} rows; {store.num_samples('train')} train samples; "
+        f"{time.perf_counter() - t0:.0f}s in all)"
     )
     report = run_report(cfg, log=log)
     # the demo's own export (replaced on a rerun): where it is and how to load it

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import time
 
+from core.config import ConfigError
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.adapters import forward_blocks
-from preinfer.model.loss import evaluate_tokens
+from preinfer.model.evaluation import evaluate_tokens, sample_words
 from preinfer.run.config import Config
 from preinfer.run.provenance import check_settings
 from preinfer.run.state import check_run
 from preinfer.runtime.device import autocast, resolve_device
 from preinfer.runtime.metrics import append_metrics
+from preinfer.schedule.rotation import val_indices
 from storage.tokens import TokenStore
 
 # (objective, store has labels) -> the positions the loss is a mean over
@@ -29,6 +31,14 @@ NOTE = {
 
 
 def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print) -> dict:
+    """The checkpoint's loss on `split`: over all of it (max_batches 0), else over max_batches x
+    train.batch_size rows spread over it (rotation.val_indices by train.seed: the rows a run's
+    visits evaluate on when max_batches = train.eval_batches), with its standard error."""
+    if max_batches < 0:
+        raise ConfigError(
+            f"--batches must be >= 0 (0 = the whole split, N = N x train.batch_size rows "
+            f"spread over it), got {max_batches}"
+        )
     store = TokenStore(cfg.data.out_dir)
     ckpt = Checkpoint.open(cfg.run.checkpoint)
     # the store and checkpoint this config asks for (a bert scored on next tokens, say, would
@@ -50,7 +60,9 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
         store,
         split=split,
         batch_size=cfg.train.batch_size,
-        max_batches=max_batches,
+        rows=val_indices(
+            store.num_samples(split), max_batches * cfg.train.batch_size, cfg.train.seed
+        ),
         device=device,
     )
     targets = TARGETS[store.objective, store.has_labels]  # what the loss is a mean over
@@ -67,8 +79,11 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
     append_metrics(
         cfg.run.dir, {"event": "eval", **res, "time": time.time()}, tensorboard=cfg.run.tensorboard
     )
+    sampled = res["rows"] < res["of_rows"]  # then each figure +- its standard error
+    loss_se, ppl_se = (f" +- {res[k]:.4g}" if sampled else "" for k in ("se", "ppl_se"))
     log(
-        f"eval: {split} loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} "
-        f"over {res['tokens']:,} tokens (objective: {res['objective']}{NOTE[res['targets']]})"
+        f"eval: {split} loss {res['loss']:.4f}{loss_se}, perplexity {res['ppl']:.2f}{ppl_se} "
+        f"over {res['tokens']:,} tokens of {sample_words(res).replace('val', split)} "
+        f"(objective: {res['objective']}{NOTE[res['targets']]})"
     )
     return res

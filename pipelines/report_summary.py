@@ -83,8 +83,10 @@ def _progress_section(data: dict, plots: dict[str, Path]) -> list[str]:
         rows.append([p["round"], p["block"], f"{p['tokens']:,.0f}" if isinstance(p["tokens"],
                      int | float) else "–", _f(p["time"], ".1f"), _f(p["ppl"], ".2f")])  # fmt: skip
     L += _table(["round", "block", "tokens trained", "wall-clock (s)", "val ppl"], rows)
-    L += ["", "Val ppl after each visit, on its own input over `train.eval_batches` batches; "
-          "wall-clock counts from the run's first record, cache builds included.", ""]  # fmt: skip
+    L += ["", "Val ppl after each visit, on its own input over `train.eval_batches` x batch val "
+          "rows spread over the split by `train.seed` (the same rows at every evaluation; the "
+          "whole split when 0; docs/usage.md, 'How val is sampled'); wall-clock counts from the "
+          "run's first record, cache builds included.", ""]  # fmt: skip
     return L
 
 
@@ -153,7 +155,8 @@ def write_summary(cfg: Config, data: dict, plots: dict[str, Path], path: Path) -
         L.append("")
         L.append(f"{data['num_step_records']} step records (a step redone after a resume counts "
                  "once: its later record wins). Val loss of a visit is measured on its own input "
-                 "(cache or tokens) over `train.eval_batches` batches.")  # fmt: skip
+                 "(cache or tokens) over `train.eval_batches` x batch val rows spread over the "
+                 "split by `train.seed`, the same rows at every evaluation.")  # fmt: skip
     else:
         L.append("No visits recorded.")
 

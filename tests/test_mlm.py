@@ -21,9 +21,11 @@ from preinfer.checkpoint.store import Checkpoint
 from preinfer.data.packing import mask_rows
 from preinfer.data.tokenization import is_val, iter_documents, load_tokenizer
 from preinfer.model.adapters import forward_blocks
-from preinfer.model.loss import IGNORE, evaluate_tokens
+from preinfer.model.evaluation import evaluate_tokens
+from preinfer.model.loss import IGNORE
 from preinfer.run.config import load_config
 from preinfer.run.visit import Visit, VisitSpec
+from preinfer.schedule.rotation import val_indices
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet, tiny_cfg
@@ -217,13 +219,16 @@ def test_loss_is_unshifted_over_masked_positions(bert_run):
     shifted = -logp[:, :-1].gather(-1, labels[:, 1:].clamp_min(0)[..., None])[..., 0]
     assert abs(shifted[mask[:, 1:]].mean() - nll[mask].mean()) > 1e-3
 
-    # eval: the same over the first 12 val rows, in batches of 3 and of train.batch_size (4)
+    # eval: the same over 12 val rows spread over the split (eval --batches 3 at batch 4 reads
+    # them), in batches of 3 and of train.batch_size (4)
+    rows = val_indices(visit.store.num_samples("val"), 12, cfg.train.seed)
+    assert rows[-1] > 12  # not the first rows
     res = evaluate_tokens(
         lambda i: forward_blocks(visit.adapter, visit.part, i, 0, visit.M), visit.store,
-        split="val", batch_size=3, max_batches=4,
+        split="val", batch_size=3, rows=rows,
     )  # fmt: skip
     val_ids, val_labels = (
-        torch.from_numpy(a).long() for a in visit.store.read_with_labels("val", 0, 12)
+        torch.from_numpy(a).long() for a in visit.store.read_indices_with_labels("val", rows)
     )
     with torch.no_grad():
         logits = forward_blocks(visit.adapter, visit.part, val_ids[:, :-1], 0, visit.M).double()
@@ -288,7 +293,7 @@ HEAD = [
     "train.lr=0.003",
     "train.warmup_steps=2",
     "train.eval_every=0",
-    "train.eval_batches=8",  # the first 64 val rows, as run_eval(max_batches=8) reads them
+    "train.eval_batches=8",  # 64 val rows spread over val, as run_eval(max_batches=8) reads them
     "train.checkpoint_every=0",
 ]
 

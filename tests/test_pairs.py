@@ -20,7 +20,8 @@ from pipelines.tokenize import run_tokenize
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.data.tokenization import is_val, iter_documents, load_tokenizer
 from preinfer.model.adapters import forward_blocks
-from preinfer.model.loss import IGNORE, evaluate_tokens
+from preinfer.model.evaluation import evaluate_tokens
+from preinfer.model.loss import IGNORE
 from preinfer.run.visit import Visit, VisitSpec
 from storage.reader import open_cache
 from storage.tokens import TokenStore

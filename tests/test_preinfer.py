@@ -13,6 +13,7 @@ from core.faults import DIE_ONCE
 from pipelines.cache_build import build_cache, open_sources, open_writers, plan_block, refresh_cache
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.model.adapters import forward_blocks
+from preinfer.schedule.rotation import val_indices
 from storage.reader import open_cache
 from storage.tokens import TokenStore
 from tests.pipeline_fixtures import quiet
@@ -279,10 +280,12 @@ def test_train_rows_are_stored_in_a_seeded_shuffled_order(tiny_run):
     assert sorted(ids[1, "train"]) == list(range(n))
     assert not np.array_equal(ids[1, "train"], np.arange(n))  # shuffled ...
     assert np.array_equal(ids[1, "train"], ids[2, "train"])  # ... the same at every boundary
-    # val: the rows the evaluations read (eval_batches x batch_size), in token order
-    assert np.array_equal(ids[1, "val"], np.arange(cfg.train.eval_batches * cfg.train.batch_size))
+    # val: the rows the evaluations read (eval_batches x batch_size spread over val by
+    # train.seed, issue #58), in token order
+    nv, k = store.num_samples("val"), cfg.train.eval_batches * cfg.train.batch_size
+    assert nv > k and np.array_equal(ids[1, "val"], val_indices(nv, k, cfg.train.seed))
     other = plan_block(tiny_run("train.seed=5"), 1).fingerprints
-    assert other["train"] != fps[1]["train"] and other["val"] == fps[1]["val"]
+    assert other["train"] != fps[1]["train"] and other["val"] != fps[1]["val"]
 
 
 def _worker_run(cfg, block, first):
@@ -370,7 +373,7 @@ def test_a_visit_caches_exactly_the_rows_it_reads_and_refresh_keeps_them(tiny_ru
             ids[b, p.split] = c.read_labels(0, c.num_samples)[1].numpy()
     assert np.array_equal(np.sort(ids[1, "train"]), rows)
     assert np.array_equal(ids[1, "train"], ids[2, "train"])  # refresh keeps rows and order
-    assert np.array_equal(ids[2, "val"], np.arange(16))
+    assert np.array_equal(ids[2, "val"], val_indices(store.num_samples("val"), 16, 0))
     v0 = Visit(cfg, VisitSpec(block=0), device=torch.device("cpu"))
     assert np.array_equal(np.sort(v0.batches.rows), rows) and v0.tc.max_steps == 6
     # a budget that is not the old rule's gets its own fingerprint; the old rule keeps its own

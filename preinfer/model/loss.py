@@ -10,12 +10,10 @@ The matmuls are the same three a plain forward + backward does; nothing is recom
 
     loss = head_loss(adapter, hidden, labels, chunk=256)   # == lm_loss(adapter.head(hidden), labels)
 
-Also the held-out loss of a token store split (`evaluate_tokens`), for `preinfer eval`.
+Held-out figures (per-row losses, their estimate of a split) are preinfer.model.evaluation's.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -188,38 +186,3 @@ def split_sample(
 def count_targets(labels: torch.Tensor) -> int:
     """Positions that count in the loss (labels != IGNORE): the weight of a batch's mean loss."""
     return int((labels != IGNORE).sum())
-
-
-@torch.inference_mode()
-def evaluate_tokens(
-    forward,
-    store,
-    *,
-    split: str = "val",
-    batch_size: int = 16,
-    max_batches: int = 0,
-    device: torch.device | str = "cpu",
-) -> dict:
-    """Mean loss and perplexity of `forward(input_ids) -> logits` over the first batches of a split.
-
-    The mean is over the positions that count: every token of a text store, the response
-    tokens (and their EOS) of a prompt/response store, the masked positions of an mlm store;
-    `tokens` is how many there were.
-    Deterministic: always the same leading batches, so evaluations are comparable over time.
-    """
-    n = store.num_samples(split)
-    if max_batches:
-        n = min(n, max_batches * batch_size)
-    total, count = 0.0, 0
-    for start in range(0, n, batch_size):
-        ids, labels = split_sample(
-            *store.read_with_labels(split, start, min(n, start + batch_size))
-        )
-        k = count_targets(labels)
-        if not k:
-            continue  # nothing counts in this batch (lm_loss would be nan)
-        logits = forward(ids.to(device))
-        total += lm_loss(logits, labels.to(device)).item() * k
-        count += k
-    loss = total / max(count, 1)
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}

@@ -18,18 +18,20 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import numpy as np
 import torch
 
 from core import faults
 from core.config import ConfigError
 from preinfer.checkpoint.optim_state import SEP, load_optimizer_tensors, optimizer_tensors
 from preinfer.checkpoint.store import Checkpoint
-from preinfer.model.loss import count_targets, mode_loss
+from preinfer.model.evaluation import blocks_row_losses, val_estimate
+from preinfer.model.loss import mode_loss, split_sample
 from preinfer.model.partition import trainable_named_parameters
 from preinfer.model.prefix import forward_prefix
 from preinfer.plan.guards import token_record
@@ -38,7 +40,7 @@ from preinfer.run.visit_state import drop_state, load_state, save_state, tokens_
 from preinfer.runtime.device import autocast, compute_dtype, pin_threads, torch_dtype
 from preinfer.runtime.memstats import current_memory_mb, peak_memory_mb, reset_peak_memory
 from preinfer.runtime.metrics import append_metrics
-from preinfer.schedule.rotation import store_budget
+from preinfer.schedule.rotation import sample_indices, store_budget
 from preinfer.schedule.visit_plan import VisitPlan, plan_visit
 from preinfer.train.batches import CacheBatches, CacheWindow, TokenBatches, endless
 from preinfer.train.step import build_optimizer, lr_at, train_step
@@ -200,23 +202,32 @@ class Visit:
         return lr_at(self.lr_offset + step, self.sched)
 
     # x: (B, S) ids or (B, S, H) hidden entering block K; labels (B, S)  ->  mean loss
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the trained blocks take: x as given (ids, or a cache's hidden), or, for
+        bcd-recompute, the hidden a cache of boundary K holds, as a reader decodes it (fp32),
+        recomputed from ids outside the training step's autocast, as the build runs."""
+        if self.prefix is None:
+            return x
+        _, adapter, choice = self.prefix
+        with torch.autocast(x.device.type, enabled=False):
+            x = forward_prefix(
+                adapter,
+                self.part,
+                x,
+                0,
+                self.K,
+                dtype=torch_dtype(choice.compute),
+                round_to=choice.round_to and torch_dtype(choice.round_to),
+            )
+        return x.float()
+
+    def _start(self) -> int:
+        """The first block the loss runs (loss.mode_loss's rule): 0 from tokens, else K."""
+        return 0 if self.spec.mode == "full" or self.whole else self.K
+
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.prefix is not None:  # the hidden a cache of boundary K holds, as a reader
-            # decodes it (fp32); outside the training step's autocast, as the build runs
-            _, adapter, choice = self.prefix
-            with torch.autocast(x.device.type, enabled=False):
-                x = forward_prefix(
-                    adapter,
-                    self.part,
-                    x,
-                    0,
-                    self.K,
-                    dtype=torch_dtype(choice.compute),
-                    round_to=choice.round_to and torch_dtype(choice.round_to),
-                )
-            x = x.float()  # fmt: skip
-        return mode_loss(self.adapter, self.part, x, labels, mode=self.spec.mode, block=self.K,
-                         chunk=self.cfg.train.loss_chunk, whole=self.whole)  # fmt: skip
+        return mode_loss(self.adapter, self.part, self._input(x), labels, mode=self.spec.mode,
+                         block=self.K, chunk=self.cfg.train.loss_chunk, whole=self.whole)  # fmt: skip
 
     def _data(self) -> None:
         cfg, spec, plan = self.cfg, self.spec, self.plan
@@ -235,6 +246,17 @@ class Visit:
             self.val_cache = open_cache(
                 root, spec.cache_val, expected_fingerprint=spec.cache_val, lease_s=lease_s
             )
+            got, want = (
+                self.val_cache.read_labels(0, self.val_cache.num_samples)[1],
+                self.val_rows(),
+            )
+            if not np.array_equal(got.numpy(), want):
+                raise ConfigError(
+                    f"val cache {spec.cache_val[:12]} holds {len(got)} val rows, not the "
+                    f"{len(want)} this config evaluates on (rotation.val_indices: train."
+                    "eval_batches x batch rows spread by train.seed); rebuild it (`preinfer cache "
+                    "build`) with the config the visit runs"
+                )
             # the boundary holds the windows of the visits it serves; this visit reads its own
             train = self.train_cache
             if train.num_samples != plan.cache_rows:
@@ -255,42 +277,54 @@ class Visit:
         if self.hooks.batches is not None:
             self.batches = self.hooks.batches(self, self.batches)
 
-    def _evaluate(self, step: int) -> float:
+    def _evaluate(self, step: int) -> dict:
         t0 = time.perf_counter()
-        val = self.evaluate()
+        est = self.evaluate()
         if self.hooks.on_eval is not None:
-            self.hooks.on_eval(self, step, val, time.perf_counter() - t0)
-        return val
+            self.hooks.on_eval(self, step, est["loss"], time.perf_counter() - t0)
+        return est
+
+    def val_rows(self) -> np.ndarray:
+        """Ascending token-store val rows every evaluation of the run reads (rotation.
+        sample_indices: train.eval_batches x batch rows spread over the split by train.seed,
+        or all of it); a visit from the cache reads them from its val cache, which holds
+        exactly these rows in this order."""
+        return sample_indices(self.plan.budget, "val", self.spec.round)
+
+    def _val_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, labels) of the val rows (val_rows), batch_size rows at a time, in order:
+        the hidden (b, S, H) fp32 entering block K from the val cache, else token ids."""
+        B = self.cfg.train.batch_size
+        if self.from_cache:
+            n = self.val_cache.num_samples
+            for a in range(0, n, B):
+                hidden, labels, _ = self.val_cache.read_rows(a, min(n, a + B))
+                yield hidden, labels
+            return
+        rows = self.val_rows()
+        for a in range(0, len(rows), B):
+            part = rows[a : a + B]
+            if self.store.has_labels:
+                yield split_sample(*self.store.read_indices_with_labels("val", part))
+            else:
+                yield split_sample(self.store.read_indices("val", part))
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean val loss over the first eval_batches batches (all ranks compute the same)."""
+    def evaluate(self) -> dict:
+        """evaluation.val_estimate of the val loss over val_rows (all ranks compute the same):
+        {loss, ppl, tokens, rows, of_rows, se, ppl_se}."""
         was = self.model.training
         self.model.eval()
-        B, nb = self.cfg.train.batch_size, self.cfg.train.eval_batches
-        if self.from_cache:
-            data = CacheBatches(
-                self.val_cache, batch_size=min(B, self.val_cache.num_samples), seed=0, shuffle=False
-            )
-        else:
-            data = TokenBatches(
-                self.store,
-                "val",
-                batch_size=min(B, self.store.num_samples("val")),
-                seed=0,
-                shuffle=False,
-            )
-        total, count = 0.0, 0
-        for i, (x, labels) in enumerate(data.epoch(0)):
-            if nb and i >= nb:
-                break
+        sums, counts = [], []
+        for x, labels in self._val_batches():
             with autocast(self.device, self.cfg.run.precision):
-                loss = self.loss(x.to(self.device), labels.to(self.device))
-            k = count_targets(labels)  # the loss is a mean over these (masked labels do not count)
-            total += loss.item() * k if k else 0.0
-            count += k
+                s, c = blocks_row_losses(self.adapter, self.part, self._input(x.to(self.device)),
+                                         labels.to(self.device), self._start(),
+                                         self.cfg.train.loss_chunk)  # fmt: skip
+            sums += s
+            counts += c
         self.model.train(was)
-        return total / max(count, 1)
+        return val_estimate(sums, counts, self.store.num_samples("val"))
 
     def _mean(self, value: float) -> float:
         if self.world <= 1:
@@ -306,7 +340,7 @@ class Visit:
         start_hash = self.ckpt.prefix_hash(self.M)
         spath = state_path(cfg, spec)
         opt = self.optimizer()
-        step, best, bad, val = 0, float("inf"), 0, None
+        step, best, bad, est = 0, float("inf"), 0, None
         loss = float("nan")
         state = load_state(spath, start_hash, self.store, log if self.rank == 0 else None)
         if self.rank == 0 and (warning := tokens_warning(self.ckpt, self.store)):
@@ -373,8 +407,8 @@ class Visit:
             }
             evaluate = (tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps
             if evaluate:
-                val = self._evaluate(step)
-                rec["val_loss"] = val
+                est = self._evaluate(step)
+                val = rec["val_loss"] = est["loss"]
                 if val < best - tc.min_delta:
                     best, bad = val, 0
                 else:
@@ -400,8 +434,9 @@ class Visit:
                         "optim": opt.state_dict(),
                     },
                 )
-        if val is None:
-            val = self._evaluate(step)
+        if est is None:
+            est = self._evaluate(step)
+        val = est["loss"]
         elapsed = time.perf_counter() - t0
         summary = {
             "event": "visit",
@@ -412,6 +447,8 @@ class Visit:
             "stopped": stopped,
             "loss": loss,
             "val_loss": val,
+            # which val rows the figure is over, and its standard error (issue #58)
+            "val_sample": {"rows": est["rows"], "of": est["of_rows"], "se": est["se"]},
             "seconds": elapsed,
             "tokens": tokens,
             "tokens_per_s": tokens / max(elapsed, 1e-9),

@@ -103,9 +103,10 @@ def sampling_spec(
         if held < budget.rows:
             return {**sampling_spec(budget, split, round_),
                     "windows": {"visits": list(visits), "rows": held}}  # fmt: skip
-    if split == "val":
-        rows = {"rows": budget.val_rows} if budget.val_rows < budget.n_val else {}
-        return {"fraction": 1.0, **rows}
+    if split == "val":  # a part of val: rotation.val_indices' strata sample (before it: the
+        # first rows, whose caches therefore have other fingerprints)
+        rows = {"rows": budget.val_rows, "sample": "strata", "seed": budget.seed}
+        return {"fraction": 1.0, **(rows if budget.val_rows < budget.n_val else {})}
     order = {"order": "shuffled", "order_seed": [budget.seed, round_]}
     frac = budget.sample_fraction
     legacy = budget.n_train if frac >= 1.0 else max(1, round(budget.n_train * frac))

@@ -81,7 +81,8 @@ def visit_budget(
     visit the same rows, the smallest cache; cache_visits M = each visit rows of its own where
     the train split holds M x V. train.epochs = null: every sampled row (N_train x
     sample_fraction), in every visit, and max_steps steps (rows read any number of times, or
-    never). Val: the first eval_batches x batch rows (all of val when eval_batches = 0).
+    never). Val: eval_batches x batch rows spread over the split (val_indices; all of val when
+    eval_batches = 0).
     """
     tc, B = train, train.batch_size
     cap = max(1, round(n_train * sample_fraction))
@@ -113,7 +114,9 @@ def visit_budget(
             )
     val_rows = n_val if not tc.eval_batches else min(n_val, tc.eval_batches * B)
     why += f"; {val_rows} of {n_val} val rows" + (
-        f" (eval_batches {tc.eval_batches} x batch {B})" if val_rows < n_val else ""
+        f" (eval_batches {tc.eval_batches} x batch {B}, a seeded sample spread over the split)"
+        if val_rows < n_val
+        else ""
     )
     return VisitBudget(rows=rows, visit_rows=visit_rows, steps=steps, val_rows=val_rows,
                        n_train=n_train, n_val=n_val, batch_size=B, seed=tc.seed,
@@ -181,11 +184,26 @@ def cache_window(budget: VisitBudget, held: np.ndarray, position: int) -> tuple[
     return i, n
 
 
+def val_indices(n_val: int, rows: int, seed: int) -> np.ndarray:
+    """Ascending val rows an evaluation of `rows` of the split's `n_val` reads: all of them when
+    rows is 0 or >= n_val; else one row drawn (seed) from each of `rows` equal strata of the
+    split, so the sample spreads over all of it. The token store packs val documents in corpus
+    order, so the first rows are a few documents, not a sample (issue #58). A function of
+    (n_val, rows, seed) only: every evaluation of a run, every round and every arm of a bench
+    with one train.seed read the same rows."""
+    if not rows or rows >= n_val:
+        return np.arange(n_val)
+    edges = np.arange(rows + 1) * n_val // rows  # strata [edges[i], edges[i+1]), each >= 1 row
+    rng = np.random.default_rng([seed, 15485863])
+    return edges[:-1] + rng.integers(0, np.diff(edges))
+
+
 def sample_indices(budget: VisitBudget, split: str, round_: int) -> np.ndarray:
-    """Token-store rows of (split, round) that the visit reads, ascending: the first val_rows of
-    val; a deterministic per-(seed, round) sample of budget.rows train rows."""
+    """Token-store rows of (split, round) that the visit reads, ascending: val_rows of val
+    spread over it (val_indices, the same every round); a deterministic per-(seed, round)
+    sample of budget.rows train rows."""
     if split == "val":
-        return np.arange(budget.val_rows)
+        return val_indices(budget.n_val, budget.val_rows, budget.seed)
     n, k = budget.n_train, budget.rows
     if k >= n:
         return np.arange(n)
