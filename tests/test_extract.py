@@ -169,26 +169,6 @@ def test_cli_extract_and_its_bad_inputs(tiny_run, capsys):
         assert err.startswith("preinfer cache: error:") and words in err and "\n" not in err
 
 
-def test_cache_extract_cli_writes_layers_and_refuses_bad_ones(tiny_run, capsys):
-    """`preinfer cache extract` prints one JSON line naming each layer's cache; a bad --layers
-    or --max-rows is one line that says what to pass."""
-    cfg = tiny_run("cache.dtype=bf16")
-    sets = [f"run.dir={cfg.run.dir}", *TINY, "cache.dtype=bf16"]
-    argv = ["cache", "extract", "--config", "configs/demo.yaml"]
-    argv += [x for o in sets for x in ("--set", o)]
-    assert cli.main([*argv, "--layers", "1,2", "--max-rows", "9"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["rows"] == 9 and sorted(out["layers"]) == ["1", "2"]
-    for bad, words in (
-        (["--layers", "9"], "the model has 4 layers, so a layer id is 0..4"),
-        (["--layers", "1,x"], "comma-separated integers"),
-        (["--layers", "1", "--max-rows", "0"], "--max-rows 0"),
-    ):
-        assert cli.main([*argv, *bad]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("preinfer cache: error:") and words in err and "\n" not in err
-
-
 def test_cache_gc_keeps_what_an_extract_run_uses(tiny_run, capsys):
     """An extract-only run.dir (extracts.json, no state.json) is a run to `cache gc --run`: its
     caches are kept; a stale cache beside them (no longer in extracts.json) is removed."""

@@ -101,3 +101,22 @@ def test_finetune_a_local_hf_checkpoint_and_export_it_back(arch, tmp_path):
         )
         assert not torch.allclose(got, want0)  # the fine-tuned model, not the user's original
     assert tok(TEXT).input_ids == orig_tok(TEXT).input_ids
+
+
+def test_init_warns_when_a_pretrained_model_reads_a_trained_bpe_store(tmp_path):
+    """A pretrained model over a token store made with a BPE trained on the corpus (the same
+    vocabulary size, so nothing else refuses it): init says its embeddings would read other
+    tokens; with the model's own tokenizer it says nothing (issue #53's note)."""
+    user = tmp_path / "my-model"
+    vocab = _save_hf_model(user, "gpt2")
+    base = ["model.arch=gpt2", f"model.checkpoint={user}", "data.max_documents=8",
+            "data.seq_len=16", "data.val_fraction=0.25", "train.batch_size=8"]  # fmt: skip
+    said: list[str] = []
+    for name, tok in (("bpe", ["data.tokenizer=bpe", f"data.vocab_size={vocab}"]),
+                      ("own", [f"data.tokenizer={user}"])):  # fmt: skip
+        cfg = load_config("configs/finetune.yaml", [f"run.dir={tmp_path / name}", *base, *tok])
+        run_tokenize(cfg, log=quiet)
+        run_init(cfg, log=said.append)
+        warned = [x for x in said if "a BPE trained on the corpus" in x]
+        assert len(warned) == 1, (name, said)  # the bpe store's, and no more for the own one
+    assert "rerun `preinfer tokenize --force`" in warned[0] and str(user) in warned[0]
