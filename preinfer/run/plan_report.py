@@ -13,6 +13,7 @@ from core.config import ConfigError, field_docs, finite_float
 from preinfer.model.partition import partition_layers
 from preinfer.model.shape import model_shape
 from preinfer.plan.costmodel import Flops
+from preinfer.plan.fit import FIT_PRECISIONS, fit_search, format_fit
 from preinfer.plan.guards import cache_bytes
 from preinfer.plan.memory import (
     CARDS,
@@ -133,6 +134,8 @@ class PlanOptions:
     """Cache writer MB per core-second for cache.codec (measured: bench/writer.py); null = the figure preinfer/plan/costmodel.py holds."""
     host_cores: int | None = None
     """CPU cores per card that encode and write the cache; null = this machine's CPUs / cards."""
+    fit: bool = False
+    """Turn it around: search run.precision, the per-card batch and M for what trains in the card's memory (--gpu-mem), with FLOP-estimated step times (preinfer/plan/fit.py)."""
     json: bool = False
     """Print the plan as JSON."""
 
@@ -248,6 +251,10 @@ def build_plan(cfg: Config, o: PlanOptions) -> dict:
     plan["checkpoint"] = {"weights": weights, "optimizer_state": kept, "total": weights + kept}
     plan["cost"] = _cost(cfg, o, sh, part, p, plan, peak, price, n_tr, n_val)
     plan["writer"] = writer_plan(cfg.cache, o, sh, part, S, peak["infer"])
+    if o.fit:
+        peaks = {x: _card(o.card, o.gpu_mem, o.peak_tflops, o.price, x)[1]["train"]
+                 for x in FIT_PRECISIONS}  # fmt: skip
+        plan["fit"] = fit_search(sh, p, mem, peaks, o.mfu)
     return plan
 
 
@@ -450,6 +457,8 @@ def format_plan(plan: dict) -> str:
             f"{c['compare']['card_change_factor']:.2f}; BCD here vs full there = "
             "same-device factor x card-change factor"
         )
+    if "fit" in plan:
+        out += ["", format_fit(plan["fit"])]
     return "\n".join(out)
 
 
