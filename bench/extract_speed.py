@@ -27,7 +27,17 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import headline_table, interleaved, load_average, publish, quiet, show, spread
+from bench.harness import (
+    add_omp_wait,
+    headline_table,
+    interleaved,
+    load_average,
+    omp_wait_policy,
+    publish,
+    quiet,
+    show,
+    spread,
+)
 from core.config import ConfigError
 from pipelines.extract import ExtractConfig, layer_states, load_layers, run_extract
 from pipelines.init import run_init
@@ -215,16 +225,12 @@ def main(argv=None) -> dict:
         "--quick", action="store_true", help="20 documents, 256 rows, 2 repeats (make bench)"
     )
     ap.add_argument("--set", nargs="+", default=[], help="config overrides (e.g. run.device=cuda)")
-    ap.add_argument("--omp-wait", default="passive", choices=["passive", "active", "default"],
-                    help="OMP_WAIT_POLICY of the bench process (default: libgomp's own)")  # fmt: skip
+    add_omp_wait(ap)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    # libgomp reads OMP_WAIT_POLICY once, at start: the process restarts with it set, as
-    # bench/preinfer_throughput.py does, so both arms' threads wait the same way
-    policy = args.omp_wait
-    if policy != "default" and os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
-        env = {**os.environ, "OMP_WAIT_POLICY": policy.upper()}
-        os.execve(sys.executable, [sys.executable, "-m", "bench.extract_speed", *argv], env)
+    omp_wait_policy(
+        args.omp_wait, "bench.extract_speed", argv
+    )  # both arms' threads wait the same way
     if args.quick:
         args.documents, args.repeats = min(args.documents, 20), min(args.repeats, 2)
         args.rows = min(args.rows or 256, 256)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -201,3 +202,20 @@ def interleave(items: list, shift: int) -> list:
     """items rotated by `shift` (per seed), so no arm always runs first on a shared machine."""
     s = shift % len(items) if items else 0
     return items[s:] + items[:s]
+
+
+def add_omp_wait(ap) -> None:
+    """The --omp-wait option of a bench whose arms compare thread-parallel work (see
+    omp_wait_policy)."""
+    ap.add_argument("--omp-wait", default="passive", choices=["passive", "active", "default"],
+                    help="OMP_WAIT_POLICY of the bench process (default: libgomp's own)")  # fmt: skip
+
+
+def omp_wait_policy(policy: str, module: str, argv: list[str]) -> None:
+    """Restart `python -m module argv` with OMP_WAIT_POLICY=policy unless it is set already
+    ("default": as it is). libgomp reads it once, at start; under its default (spin) one arm's
+    threads spin at every barrier while another, with more threads than CPUs, throttles (the
+    bare forward beside the build: 2x the build's CPU seconds on a busy machine)."""
+    if policy != "default" and os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
+        env = {**os.environ, "OMP_WAIT_POLICY": policy.upper()}
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)

@@ -28,7 +28,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import headline_table, interleaved, load_average, publish, quiet, show, spread
+from bench.harness import (
+    add_omp_wait,
+    headline_table,
+    interleaved,
+    load_average,
+    omp_wait_policy,
+    publish,
+    quiet,
+    show,
+    spread,
+)
 from bench.writer import moto_server, timed
 from pipelines.cache_build import PHASES, build_cache, create_writers, plan_block, refresh_cache
 from pipelines.init import run_init
@@ -242,17 +252,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--s3", action="store_true", help="cache.root on a moto S3 server")
     ap.add_argument("--bare-threads", type=int, nargs="*", default=[],
                     help="also the bare forward on these torch thread counts (e.g. 1)")  # fmt: skip
-    ap.add_argument("--omp-wait", default="passive", choices=["passive", "active", "default"],
-                    help="OMP_WAIT_POLICY of the bench process (default: libgomp's own)")  # fmt: skip
+    add_omp_wait(ap)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    # libgomp reads OMP_WAIT_POLICY once, at start: the process restarts with it set. Under its
-    # default (spin) the bare forward's threads spin at every barrier while the build, with
-    # more threads than CPUs, throttles: 2x the build's CPU seconds on a busy machine.
-    policy = args.omp_wait
-    if policy != "default" and os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
-        env = {**os.environ, "OMP_WAIT_POLICY": policy.upper()}
-        os.execve(sys.executable, [sys.executable, "-m", "bench.preinfer_throughput", *argv], env)
+    omp_wait_policy(
+        args.omp_wait, "bench.preinfer_throughput", argv
+    )  # both arms' threads wait the same way
     if args.quick:
         args.documents = min(args.documents, 20)
     with moto_server() if args.s3 else contextlib.nullcontext() as url:
