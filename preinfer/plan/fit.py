@@ -49,6 +49,7 @@ def fit_search(sh: ModelShape, p: Setup, card_bytes: float, peaks: dict, mfu: fl
     `peaks`: precision -> the card's peak FLOP/s in it (or None). With nothing fitting at a
     precision: what batch 1 with one layer per block needs."""
     L, rows = len(sh.layers), []
+    whole = partition_layers(list(sh.layers), sh.embed, sh.head, 1)  # full training's one block
     for prec in FIT_PRECISIONS:
         row = {"precision": prec, "fits": False}
         for b in _batches(p.batch):
@@ -56,8 +57,7 @@ def fit_search(sh: ModelShape, p: Setup, card_bytes: float, peaks: dict, mfu: fl
             sm = smallest_fitting_m(sh, q, card_bytes)
             if sm is None:
                 continue
-            full_part = partition_layers(list(sh.layers), sh.embed, sh.head, 1)
-            full = trainer_memory(sh, full_part, "full", 0, q)["peak"]
+            full = trainer_memory(sh, whole, "full", 0, q)["peak"]
             bcd_s, full_s = _step_s(sh, sm["M"], q, peaks.get(prec), mfu)
             row.update(fits=True, batch=b, M=sm["M"], peak=sm["peak"],
                        worst_stage=sm["worst_stage"], full_peak=full,
