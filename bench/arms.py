@@ -267,11 +267,12 @@ def prepare(config: str | None, overrides: list[str], init: Path):
     return cfg, store
 
 
-def eval_run(config: str | None, overrides: list[str], batches: int) -> dict:
+def eval_run(config: str | None, overrides: list[str], batches: int, per_row: bool = False) -> dict:
     """`preinfer eval` of a run's checkpoint over `batches` x batch val rows spread over the split
-    (rotation.val_indices; 0 = all)."""
-    res = run_eval(load_config(config, overrides), max_batches=batches, log=quiet)
-    return {"loss": res["loss"], "ppl": res["ppl"]}
+    (rotation.val_indices; 0 = all); per_row: with each row's summed loss ("row_sums", for an
+    error paired over rows between arms, evaluation.paired_ratio)."""
+    res = run_eval(load_config(config, overrides), max_batches=batches, log=quiet, per_row=per_row)
+    return {k: res[k] for k in ("loss", "ppl", *(("row_sums",) if per_row else ()))}
 
 
 @torch.inference_mode()
@@ -413,7 +414,8 @@ def run_arm(spec: dict, *, log_path: Path | None = None) -> dict:
             else spec.get("stop"), "own_process": log_path is not None}  # fmt: skip
 
     def evaluate(overrides: list[str]) -> dict:
-        return eval_run(spec.get("config"), overrides, spec.get("eval_batches", 0))
+        return eval_run(spec.get("config"), overrides, spec.get("eval_batches", 0),
+                        bool(spec.get("per_row")))  # fmt: skip
 
     if log_path is None:
         return measured(spec, evaluate)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +41,7 @@ from bench import harness as h
 from bench import peers_arms
 from bench.arms import host, run_arm
 from bench.peers_arms import ARMS, BCD_ARMS
+from preinfer.model.evaluation import paired_ratio
 
 BADAM = ("badam-layers", "badam-blocks")
 TARGETS = [  # key, what, at most (None: no target)
@@ -54,9 +57,23 @@ TARGETS = [  # key, what, at most (None: no target)
 ]  # fmt: skip
 
 
+def point_at(curve: list[dict], seconds: float) -> dict:
+    """The last point at or before `seconds` (an arm done sooner stopped there)."""
+    return [p for p in curve if p["seconds"] <= seconds][-1]
+
+
 def loss_at(curve: list[dict], seconds: float) -> float:
-    """The loss of the last point at or before `seconds` (an arm done sooner stopped there)."""
-    return [p for p in curve if p["seconds"] <= seconds][-1]["loss"]
+    """The loss of point_at."""
+    return point_at(curve, seconds)["loss"]
+
+
+def row_se(a: dict, b: dict) -> float | None:
+    """The standard error of a's loss / b's, paired over the val rows both points read
+    (issue #58), or None where a point holds no per-row losses (the start point; an older
+    record)."""
+    if "row_sums" not in a or "row_sums" not in b:
+        return None
+    return paired_ratio(a["row_sums"], b["row_sums"])["se"]
 
 
 def targets(runs: dict[str, dict]) -> dict:
@@ -71,11 +88,15 @@ def targets(runs: dict[str, dict]) -> dict:
         out[f"bcd_minus_{b}_loss"] = bcd["final_loss"] - runs[b]["final_loss"]
     if "lora" in runs:  # #41: at LoRA's wall-clock, at LoRA's memory
         lora = runs["lora"]
-        out["bcd_loss_at_lora_time"] = loss_at(bcd["curve"], lora["seconds"]) / lora["final_loss"]
+        at = point_at(bcd["curve"], lora["seconds"])
+        out["bcd_loss_at_lora_time"] = at["loss"] / lora["final_loss"]
+        out["bcd_loss_at_lora_time_se"] = row_se(at, lora["curve"][-1])
         out["bcd_peak_over_lora"] = bcd["peak_rss_mb"] / lora["peak_rss_mb"]
     if "full" in runs:
         full = runs["full"]
-        out["bcd_loss_at_full_time"] = loss_at(bcd["curve"], full["seconds"]) / full["final_loss"]
+        at = point_at(bcd["curve"], full["seconds"])
+        out["bcd_loss_at_full_time"] = at["loss"] / full["final_loss"]
+        out["bcd_loss_at_full_time_se"] = row_se(at, full["curve"][-1])
         # #41's multi-epoch target: each arm at its best evaluation (full overfits by the end)
         best = lambda run: min(p["loss"] for p in run["curve"])  # noqa: E731
         out["bcd_best_over_full_best"] = best(bcd) / best(full)
@@ -92,14 +113,25 @@ def render(res: dict) -> str:
                      h.show(s["seconds"], "{:.0f}"),
                      f"{s['peak_rss_mb']['median']:.0f} ({s['peak_growth_mb']['median']:.0f})",
                      s["trainable"], str(s["steps"]), str(s["load_start"])))  # fmt: skip
-    t = [("target (issue #27)", "median [min, max]", "seeds", "target", "met")]
+    t = [("target (issue #27)", "median [min, max]", "seeds", "target", "met",
+          "mean +- s.e. rows; seeds")]  # fmt: skip
+    errs = res.get("errors", {})
     for key, what, most in (x for x in TARGETS if x[0] in res["targets"]):
         s = res["targets"][key]
         ok = s["median"] is not None and most is not None and s["median"] <= most
         met = "" if most is None else "yes" if ok else "NO"
         f = "{:+.4f}" if key.startswith("bcd_minus") else "{:.3f}"
+        e = errs.get(key)
+        noise = (
+            ""
+            if e is None
+            else (
+                f"{e['mean']:.4f} +- {e['mean_rows_se']:.4f}; "
+                + ("-" if e["mean_seeds_se"] is None else f"{e['mean_seeds_se']:.4f}")
+            )
+        )
         t.append((what, h.show(s, f), h.reached(s) if "time_to" in key else str(s["of"]),
-                  "" if most is None else f"<= {most:g}", met))  # fmt: skip
+                  "" if most is None else f"<= {most:g}", met, noise))  # fmt: skip
     sweep = [("arm", "lr", "seed", "final val loss", "train s", "peak RSS MiB", "load at start")]
     for r in res["runs"]:
         sweep.append((r["arm"], f"{r['lr']:g}", str(r["seed"]), f"{r['final_loss']:.4f}",
@@ -125,9 +157,27 @@ def summarise(runs: list[dict], best: dict[str, float], seeds: list[int]) -> dic
         by_arm = {a: r for a, rs in at_best.items() for r in rs if r["seed"] == s}
         if "bcd" in by_arm:
             per_seed.append({"seed": s, **targets(by_arm)})
-    keys = sorted({k for t in per_seed for k in t if k != "seed"})
-    return {"arms": arms, "per_seed": per_seed,
+    keys = sorted({k for t in per_seed for k in t if k != "seed" and not k.endswith("_se")})
+    return {"arms": arms, "per_seed": per_seed, "errors": errors(per_seed),
             "targets": {k: h.spread([t.get(k) for t in per_seed]) for k in keys}}  # fmt: skip
+
+
+def errors(per_seed: list[dict]) -> dict:
+    """Each ratio's noise (issue #58): per seed, its standard error paired over the val rows
+    (row_se); over the seeds, the mean ratio, the error of that mean from the rows (sqrt(sum
+    se^2) / n) and from the seeds (their sd / sqrt(n), n >= 2). Only ratios whose every seed
+    holds a row error."""
+    out = {}
+    for key in sorted({k[:-3] for t in per_seed for k in t if k.endswith("_se")}):
+        ses = [t.get(f"{key}_se") for t in per_seed]
+        vals = [t.get(key) for t in per_seed]
+        if any(x is None for x in ses + vals):
+            continue
+        n = len(vals)
+        out[key] = {"rows_se": ses, "mean": statistics.fmean(vals),
+                    "mean_rows_se": math.sqrt(sum(s * s for s in ses)) / n,
+                    "mean_seeds_se": statistics.stdev(vals) / math.sqrt(n) if n > 1 else None}  # fmt: skip
+    return out
 
 
 def main(argv=None) -> dict:
@@ -216,7 +266,8 @@ def main(argv=None) -> dict:
                 "blocks": prep["blocks"], "eval_batches": sc.eval_batches, "threads": a.threads,
                 "inline": a.inline, "run_dir": str(work / "runs" / name),
                 "config": str(peers_arms.FINETUNE), "mode": arm if mine else None,
-                "runner": None if mine else "bench.peers_arms:hf_arm"}  # fmt: skip
+                "runner": None if mine else "bench.peers_arms:hf_arm",
+                "per_row": True}  # fmt: skip
         spec["start"] = {"steps": 0, "seconds": 0.0, "loss": spec["initial_loss"]} if mine else None
         made_by = {k: v for k, v in spec.items() if k != "run_dir"}  # what makes a run's result
         record, say = work / "runs" / f"{name}.json", f"  {arm:>13} lr {lr:<7g} seed {seed}:"

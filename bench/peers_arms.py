@@ -315,9 +315,12 @@ def hf_arm(spec: dict, clock: Clock, mem: PeakMemory, _evaluate=None) -> dict:
     def evaluated(point: dict) -> dict:  # its val loss, outside the clock and peak memory
         with evaluating(clock, mem):
             model.eval()
-            point["loss"] = evaluate_tokens(lambda ids: model(input_ids=ids, use_cache=False).logits,
-                                            store, batch_size=cfg.train.batch_size,
-                                            rows=val_rows)["loss"]  # fmt: skip
+            est = evaluate_tokens(lambda ids: model(input_ids=ids, use_cache=False).logits,
+                                  store, batch_size=cfg.train.batch_size, rows=val_rows,
+                                  per_row=bool(spec.get("per_row")))  # fmt: skip
+            point["loss"] = est["loss"]
+            if "row_sums" in est:  # for the ratios' error paired over rows (bench/peers.py)
+                point["row_sums"] = est["row_sums"]
             model.train()
         return point
 

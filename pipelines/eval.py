@@ -30,10 +30,14 @@ NOTE = {
 }
 
 
-def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print) -> dict:
+def run_eval(
+    cfg: Config, *, max_batches: int = 0, split: str = "val", log=print, per_row: bool = False
+) -> dict:
     """The checkpoint's loss on `split`: over all of it (max_batches 0), else over max_batches x
     train.batch_size rows spread over it (rotation.val_indices by train.seed: the rows a run's
-    visits evaluate on when max_batches = train.eval_batches), with its standard error."""
+    visits evaluate on when max_batches = train.eval_batches), with its standard error.
+    per_row: the result also holds each row's summed loss and count (evaluate_tokens); they
+    are not written to metrics.jsonl."""
     if max_batches < 0:
         raise ConfigError(
             f"--batches must be >= 0 (0 = the whole split, N = N x train.batch_size rows "
@@ -64,6 +68,7 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
             store.num_samples(split), max_batches * cfg.train.batch_size, cfg.train.seed
         ),
         device=device,
+        per_row=per_row,
     )
     targets = TARGETS[store.objective, store.has_labels]  # what the loss is a mean over
     if targets == "response" and "chat" in store.manifest:  # a data.format=chat store
@@ -76,8 +81,9 @@ def run_eval(cfg: Config, *, max_batches: int = 0, split: str = "val", log=print
         "seconds": time.perf_counter() - t0,
         "checkpoint": ckpt.prefix_hash(M),
     }
+    rec = {k: v for k, v in res.items() if k not in ("row_sums", "row_counts")}
     append_metrics(
-        cfg.run.dir, {"event": "eval", **res, "time": time.time()}, tensorboard=cfg.run.tensorboard
+        cfg.run.dir, {"event": "eval", **rec, "time": time.time()}, tensorboard=cfg.run.tensorboard
     )
     sampled = res["rows"] < res["of_rows"]  # then each figure +- its standard error
     loss_se, ppl_se = (f" +- {res[k]:.4g}" if sampled else "" for k in ("se", "ppl_se"))

@@ -46,6 +46,19 @@ def test_every_arm_on_a_tiny_model_in_one_process(tmp_path, capsys):
     assert set(res["targets"]) >= {"bcd_loss_at_full_time", "bcd_peak_over_badam-blocks",
                                    "bcd_time_to_badam-layers_loss"}  # fmt: skip
     assert "bcd peak RSS / badam-blocks'" in res["table"]
+    # issue #58: every evaluation after the start keeps its per-row losses (the same rows in
+    # every arm), and the ratios carry their error paired over those rows
+    n_rows = len(by["lora"]["curve"][0]["row_sums"])
+    assert n_rows > 1 and all(len(p["row_sums"]) == n_rows for r in res["runs"]
+                              for p in r["curve"][1:])  # fmt: skip
+    for p in by["lora"]["curve"]:  # the loss is the rows' summed loss over their targets
+        assert sum(p["row_sums"]) > 0 and p["loss"] > 0
+    e = res["errors"]["bcd_loss_at_full_time"]
+    seed = res["per_seed"][0]
+    assert e["rows_se"] == [seed["bcd_loss_at_full_time_se"]] and e["rows_se"][0] > 0
+    assert e["mean"] == pytest.approx(seed["bcd_loss_at_full_time"])
+    assert "bcd_loss_at_full_time_se" not in res["targets"]  # a noise figure, not a target
+    assert "+-" in res["table"]
 
     # --resume: every run's record is reused (nothing reruns), the figures are the same; a
     # record made by other settings (another eval_batches) is not

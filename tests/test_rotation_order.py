@@ -366,6 +366,27 @@ def test_run_schedule_is_one_cosine_over_the_rotation(tiny_run, tiny_base, tmp_p
     assert [lr for *_, lr in step_lrs(full)] == pytest.approx(want, rel=1e-12)
 
 
+def test_rewarm_ramps_every_visit_but_the_first(tiny_run):
+    """train.rewarm_steps (issue #54 lever 2): the rotation's one cosine, scaled by (s+1)/n over
+    the first n steps of every visit after the rotation's first; fails when it is disconnected."""
+    cfg = tiny_run(*LR, f"train.max_steps={STEPS}", "train.mode=bcd-recompute", *FAST,
+                   "train.rewarm_steps=2")  # fmt: skip
+    run_bcd(cfg, log=quiet)
+    got = step_lrs(cfg)
+    total = 2 * 3 * STEPS
+    assert len(got) == total
+    for g, (*_, s, lr) in enumerate(got):
+        ramp = 1.0 if g < STEPS else min(1.0, s / 2)  # s: 1-based step of the visit
+        want = cosine(g, total, peak=0.01, warmup=2, floor=0.1) * ramp
+        assert lr == pytest.approx(want, rel=1e-12), (g, s)
+    assert got[STEPS][-1] < got[STEPS - 1][-1]  # the second visit starts at half its lr
+
+
+def test_rewarm_with_a_per_visit_schedule_is_refused():
+    with pytest.raises(ConfigError, match="rewarm_steps=3.*schedule=visit"):
+        TrainConfig(rewarm_steps=3, schedule="visit")
+
+
 def test_visit_schedule_restarts_in_every_visit(tiny_run):
     cfg = tiny_run(*LR, f"train.max_steps={STEPS}", "train.mode=bcd-recompute", *FAST,
                    "train.schedule=visit")  # fmt: skip

@@ -141,3 +141,26 @@ def test_the_val_cache_holds_the_sampled_rows_and_visits_evaluate_on_them(wide_r
     r = recompute.evaluate()
     assert r["tokens"] == a["tokens"]
     torch.testing.assert_close(r["loss"], a["loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_paired_ratio_error_is_the_delta_method_and_pairing_removes_shared_row_noise():
+    """paired_ratio (issue #58: the headline ratios' error paired over val rows)."""
+    from preinfer.model.evaluation import paired_ratio
+
+    rng = np.random.default_rng(0)
+    hard = rng.gamma(2.0, 20.0, size=200)  # rows differ a lot in difficulty, for both arms
+    b = hard * (1 + 0.02 * rng.standard_normal(200))
+    a = 0.97 * hard * (1 + 0.02 * rng.standard_normal(200))
+    got = paired_ratio(a, b)
+    assert got["ratio"] == pytest.approx(a.sum() / b.sum()) and got["rows"] == 200
+    resid = a - got["ratio"] * b
+    assert got["se"] == pytest.approx(np.sqrt((resid**2).sum() / (200 * 199)) / b.mean())
+    # unpaired, the rows' spread in difficulty would dominate: paired it is a few % of it
+    unpaired = got["ratio"] * np.hypot(a.std(ddof=1) / a.mean(), b.std(ddof=1) / b.mean())
+    assert got["se"] < 0.1 * unpaired / np.sqrt(200)
+    # an empirical check: the ratio's spread over resampled row sets matches the error
+    boot = [a[i].sum() / b[i].sum() for i in rng.integers(0, 200, size=(2000, 200))]
+    assert np.std(boot) == pytest.approx(got["se"], rel=0.15)
+    assert np.isnan(paired_ratio(a[:1], b[:1])["se"])
+    with pytest.raises(ValueError, match="same rows"):
+        paired_ratio(a, b[:-1])

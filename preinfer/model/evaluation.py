@@ -101,6 +101,7 @@ def evaluate_tokens(
     batch_size: int = 16,
     rows: np.ndarray | None = None,
     device: torch.device | str = "cpu",
+    per_row: bool = False,
 ) -> dict:
     """val_estimate of `forward(input_ids) -> logits` over the ascending token-store `rows` of
     a split (None: all of it).
@@ -108,7 +109,9 @@ def evaluate_tokens(
     The mean is over the positions that count: every token of a text store, the response
     tokens (and their EOS) of a prompt/response store, the masked positions of an mlm store;
     `tokens` is how many there were. The same rows give the same figure: pass the same
-    rotation.val_indices to compare evaluations."""
+    rotation.val_indices to compare evaluations. per_row: also each row's summed loss and
+    target count ("row_sums", "row_counts", in `rows` order), for an error paired over rows
+    between two evaluations of the same rows (paired_ratio)."""
     n = store.num_samples(split)
     rows = np.arange(n) if rows is None else np.asarray(rows)
     sums, counts = [], []
@@ -125,4 +128,23 @@ def evaluate_tokens(
         s, c = logits_row_losses(forward(ids.to(device)), labels.to(device))
         sums += s
         counts += c
-    return val_estimate(sums, counts, n)
+    est = val_estimate(sums, counts, n)
+    if per_row:
+        est.update(row_sums=[float(x) for x in sums], row_counts=[int(x) for x in counts])
+    return est
+
+
+def paired_ratio(a_sums, b_sums) -> dict:
+    """{ratio, se, rows} of two evaluations of the same rows (row i's summed loss a_sums[i],
+    b_sums[i], over the same targets): ratio = loss_a / loss_b, and its standard error as
+    an estimate over the population the rows were drawn from (the delta method, paired: a
+    row hard for both arms moves both losses and not their ratio). nan from fewer than 2 rows."""
+    a, b = np.asarray(a_sums, np.float64), np.asarray(b_sums, np.float64)
+    if len(a) != len(b) or not b.sum():
+        raise ValueError(f"paired_ratio needs the same rows in both, got {len(a)} and {len(b)}")
+    ratio, k = float(a.sum() / b.sum()), len(a)
+    if k < 2:
+        return {"ratio": ratio, "se": math.nan, "rows": k}
+    resid = a - ratio * b  # Var(sum a / sum b) ~ sum resid^2 / (k (k-1) bbar^2)
+    se = math.sqrt((resid**2).sum() / (k * (k - 1))) / b.mean()
+    return {"ratio": ratio, "se": float(se), "rows": k}

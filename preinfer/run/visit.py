@@ -184,10 +184,12 @@ class Visit:
         self.tc = dataclasses.replace(cfg.train, max_steps=steps)  # the schedule spans the visit
         # train.schedule=run (bcd modes): this visit's steps are positions [v*steps, (v+1)*steps)
         # of one schedule over the rotation's rounds x M visits, v its index in the rotation
-        self.sched, self.lr_offset = self.tc, 0
+        self.sched, self.lr_offset, self.rewarm = self.tc, 0, 0
         if cfg.train.schedule == "run" and spec.mode != "full":
             self.lr_offset = (spec.round * self.M + plan.position) * steps
             self.sched = dataclasses.replace(self.tc, max_steps=cfg.train.rounds * self.M * steps)
+            # train.rewarm_steps: every visit after the rotation's first ramps its lr again
+            self.rewarm = cfg.train.rewarm_steps if self.lr_offset else 0
         self._data()
 
     def step_seed(self, step: int) -> int:
@@ -199,7 +201,8 @@ class Visit:
 
     def lr(self, step: int) -> float:
         """The learning rate of this visit's step `step` (0-based)."""
-        return lr_at(self.lr_offset + step, self.sched)
+        ramp = min(1.0, (step + 1) / self.rewarm) if self.rewarm else 1.0
+        return lr_at(self.lr_offset + step, self.sched) * ramp
 
     # x: (B, S) ids or (B, S, H) hidden entering block K; labels (B, S)  ->  mean loss
     def _input(self, x: torch.Tensor) -> torch.Tensor:

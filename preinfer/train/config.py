@@ -59,6 +59,8 @@ class TrainConfig:
     """LR warmup + cosine scope: run = one over the rotation (rounds x M visits x the visit's steps; 1.52x full's steps to its plateau ppl against 2.07x per visit, docs/quality.md); visit = within each block visit; full: its own steps either way."""
     min_lr_ratio: float = 0.1
     """Cosine schedule floor as a fraction of the peak lr."""
+    rewarm_steps: int = 0
+    """bcd modes, train.schedule=run: over the first n steps of every visit but the rotation's first, the schedule's lr is scaled by (step + 1) / n, so a block's fresh (or long idle) Adam state does not take full-size steps at once; the rotation's own warmup is train.warmup_steps. 0 = off."""
     max_steps: int = 100
     """Steps per block visit (bcd) or in total (full): the cap of the visit's budget."""
     epochs: float | None = 1.0
@@ -104,6 +106,7 @@ class TrainConfig:
             "workers",
             "checkpoint_every",
             "suffix_rank",
+            "rewarm_steps",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -125,6 +128,12 @@ class TrainConfig:
                 f"train.prefix_adapters={self.prefix_adapters} puts train.suffix_rank adapters on "
                 "the blocks before the last visit's, but train.suffix_rank is 0: set "
                 "train.suffix_rank > 0 (e.g. 16), or train.prefix_adapters=none"
+            )
+        if self.rewarm_steps and self.schedule != "run":
+            raise ConfigError(
+                f"train.rewarm_steps={self.rewarm_steps} ramps the lr of each visit of one "
+                "schedule over the rotation, but train.schedule=visit already warms up every "
+                "visit (train.warmup_steps): set train.rewarm_steps=0, or train.schedule=run"
             )
         if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
             raise ConfigError(f"train.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
