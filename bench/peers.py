@@ -62,11 +62,6 @@ def point_at(curve: list[dict], seconds: float) -> dict:
     return [p for p in curve if p["seconds"] <= seconds][-1]
 
 
-def loss_at(curve: list[dict], seconds: float) -> float:
-    """The loss of point_at."""
-    return point_at(curve, seconds)["loss"]
-
-
 def row_se(a: dict, b: dict) -> float | None:
     """The standard error of a's loss / b's, paired over the val rows both points read
     (issue #58), or None where a point holds no per-row losses (the start point; an older

@@ -36,8 +36,8 @@ def run_eval(
     """The checkpoint's loss on `split`: over all of it (max_batches 0), else over max_batches x
     train.batch_size rows spread over it (rotation.val_indices by train.seed: the rows a run's
     visits evaluate on when max_batches = train.eval_batches), with its standard error.
-    per_row: the result also holds each row's summed loss and count (evaluate_tokens); they
-    are not written to metrics.jsonl."""
+    per_row: the result also holds each row's summed loss ("row_sums", evaluate_tokens); it is
+    not written to metrics.jsonl."""
     if max_batches < 0:
         raise ConfigError(
             f"--batches must be >= 0 (0 = the whole split, N = N x train.batch_size rows "
@@ -81,7 +81,7 @@ def run_eval(
         "seconds": time.perf_counter() - t0,
         "checkpoint": ckpt.prefix_hash(M),
     }
-    rec = {k: v for k, v in res.items() if k not in ("row_sums", "row_counts")}
+    rec = {k: v for k, v in res.items() if k != "row_sums"}
     append_metrics(
         cfg.run.dir, {"event": "eval", **rec, "time": time.time()}, tensorboard=cfg.run.tensorboard
     )

@@ -17,7 +17,12 @@ from pipelines.cache_build import build_cache
 from pipelines.eval import run_eval
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
-from preinfer.model.evaluation import NothingToEvaluate, evaluate_tokens, val_estimate
+from preinfer.model.evaluation import (
+    NothingToEvaluate,
+    evaluate_tokens,
+    paired_ratio,
+    val_estimate,
+)
 from preinfer.run.visit import Visit, VisitSpec
 from preinfer.schedule.rotation import sample_indices, store_budget, val_indices
 from storage.reader import open_cache
@@ -145,8 +150,6 @@ def test_the_val_cache_holds_the_sampled_rows_and_visits_evaluate_on_them(wide_r
 
 def test_paired_ratio_error_is_the_delta_method_and_pairing_removes_shared_row_noise():
     """paired_ratio (issue #58: the headline ratios' error paired over val rows)."""
-    from preinfer.model.evaluation import paired_ratio
-
     rng = np.random.default_rng(0)
     hard = rng.gamma(2.0, 20.0, size=200)  # rows differ a lot in difficulty, for both arms
     b = hard * (1 + 0.02 * rng.standard_normal(200))

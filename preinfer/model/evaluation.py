@@ -46,17 +46,22 @@ def val_estimate(sums, counts, of_rows: int) -> dict:
             "the whole split) or check the data's format (data.format, the masks it makes)"
         )
     loss = float(sums.sum() / tokens)
-    if k >= of_rows:
-        se = 0.0
-    elif k < 2:
-        se = math.nan
-    else:  # Var of a ratio mean: sum (s_i - L c_i)^2 / (k (k-1) cbar^2), times (1 - k/N)
-        resid = sums - loss * counts
-        var = (resid**2).sum() / (k * (k - 1) * counts.mean() ** 2) * (1 - k / of_rows)
-        se = float(math.sqrt(var))
+    # the rows are a sample of the split's of_rows: the finite-population correction (1 - k/N)
+    se = 0.0 if k >= of_rows else ratio_se(sums, counts, loss) * math.sqrt(1 - k / of_rows)
     ppl = math.exp(min(loss, 50.0))
     return {"loss": loss, "ppl": ppl, "tokens": tokens, "rows": k, "of_rows": int(of_rows),
             "se": se, "ppl_se": ppl * se}  # fmt: skip
+
+
+def ratio_se(num: np.ndarray, den: np.ndarray, ratio: float) -> float:
+    """Standard error of ratio = sum(num) / sum(den) over k sampled rows (num[i], den[i] row
+    i's), by the delta method: sqrt(sum (num_i - ratio den_i)^2 / (k (k-1))) / mean(den), for
+    rows drawn from an unbounded population; nan from fewer than 2 rows."""
+    k = len(num)
+    if k < 2:
+        return math.nan
+    resid = num - ratio * den
+    return float(math.sqrt((resid**2).sum() / (k * (k - 1))) / den.mean())
 
 
 def sample_words(est: dict) -> str:
@@ -109,9 +114,9 @@ def evaluate_tokens(
     The mean is over the positions that count: every token of a text store, the response
     tokens (and their EOS) of a prompt/response store, the masked positions of an mlm store;
     `tokens` is how many there were. The same rows give the same figure: pass the same
-    rotation.val_indices to compare evaluations. per_row: also each row's summed loss and
-    target count ("row_sums", "row_counts", in `rows` order), for an error paired over rows
-    between two evaluations of the same rows (paired_ratio)."""
+    rotation.val_indices to compare evaluations. per_row: also each row's summed loss
+    ("row_sums", in `rows` order), for an error paired over rows between two evaluations of
+    the same rows (paired_ratio)."""
     n = store.num_samples(split)
     rows = np.arange(n) if rows is None else np.asarray(rows)
     sums, counts = [], []
@@ -130,7 +135,7 @@ def evaluate_tokens(
         counts += c
     est = val_estimate(sums, counts, n)
     if per_row:
-        est.update(row_sums=[float(x) for x in sums], row_counts=[int(x) for x in counts])
+        est["row_sums"] = [float(x) for x in sums]
     return est
 
 
@@ -142,9 +147,5 @@ def paired_ratio(a_sums, b_sums) -> dict:
     a, b = np.asarray(a_sums, np.float64), np.asarray(b_sums, np.float64)
     if len(a) != len(b) or not b.sum():
         raise ValueError(f"paired_ratio needs the same rows in both, got {len(a)} and {len(b)}")
-    ratio, k = float(a.sum() / b.sum()), len(a)
-    if k < 2:
-        return {"ratio": ratio, "se": math.nan, "rows": k}
-    resid = a - ratio * b  # Var(sum a / sum b) ~ sum resid^2 / (k (k-1) bbar^2)
-    se = math.sqrt((resid**2).sum() / (k * (k - 1))) / b.mean()
-    return {"ratio": ratio, "se": float(se), "rows": k}
+    ratio = float(a.sum() / b.sum())
+    return {"ratio": ratio, "se": ratio_se(a, b, ratio), "rows": len(a)}
