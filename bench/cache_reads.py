@@ -1,12 +1,15 @@
 """Cache read benchmark: rows/s through the cache readers against a numpy memmap of the same bytes.
 
     python -m bench.cache_reads [--rows 2048] [--seq 128] [--hidden 256] [--repeats 3]
-                                [--codec none] [--buffer-mb 64] [--warm] [--out r.json]
+                                [--codec none] [--buffer-mb 64] [--warm] [--targets local s3]
+                                [--out r.json]
     python -m bench.cache_reads --quick
 
 One bf16 cache of seeded values (labels = the row's index, so every value read can be traced
-to its row) and the same stored bytes as one .npy file, on the same local disk. Three kinds of
-read, each through the cache and through the plain memmap, alternating, `--repeats` times:
+to its row) and the same stored bytes as one plain file, on each target: the local disk (a
+.npy read through a numpy memmap) and S3 (a moto server in its own process; the plain arm is
+one object read by ranged GETs of exactly the rows each batch needs, `RangedRows`). Three kinds
+of read, each through the cache and through the plain file, alternating, `--repeats` times:
 
 - sequential: `CacheDataset(shuffle=False)` over one epoch / memmap slices batch by batch;
 - shuffled: `CacheDataset(shuffle=True, seed, buffer_mb)` / the same plan on the memmap (the
@@ -17,8 +20,9 @@ read, each through the cache and through the plain memmap, alternating, `--repea
   to check it), `block_unchecked` with check_reads=False (codec none: just the rows' bytes).
 
 Every arm decodes to float32 tensors (B, S, H) with labels (B, S), as a trainer gets them.
-Unless --warm, each repeat first drops the files from the page cache (posix_fadvise
-DONTNEED on the cache's files and the .npy), so reads come from the disk. Before timing,
+Unless --warm, each local repeat first drops the files from the page cache (posix_fadvise
+DONTNEED on the cache's files and the .npy), so reads come from the disk; every S3 read is a
+GET to the server (moto holds the objects in memory: no disk below it). Before timing,
 each kind is checked once: every batch equals the written rows it names. The shuffle is
 recorded: the seed, and a hash of the order of the sample ids one epoch yields (the same in
 two passes, so a reader can reproduce it). Notes: docs/cache_io.md.
@@ -27,41 +31,76 @@ two passes, so a reader can reproduce it). Notes: docs/cache_io.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.harness import headline_table, load_average, publish
+from bench.writer import moto_server
+from storage import fs
 from storage.cache import CacheWriter
-from storage.config import CacheConfig
+from storage.config import CacheConfig, StorageConfig
 from storage.dataset import CacheDataset
 from storage.reader import open_cache
 
 KINDS = ("sequential", "shuffled", "block", "block_unchecked")
+TARGETS = ("local", "s3")
+FP = "feed" * 4
 
 
-def make_data(work: Path, n: int, s: int, h: int, codec: str, shard_mb: float, seed: int):
-    """(cache root, fingerprint, .npy path): bf16 values as a cache and as one plain file."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, s, h, generator=g).to(torch.bfloat16)  # (N, S, H)
+def make_values(n: int, s: int, h: int, seed: int) -> torch.Tensor:
+    """(N, S, H) bf16 seeded values."""
+    return torch.randn(n, s, h, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def write_cache(root, x: torch.Tensor, codec: str, shard_mb: float) -> None:
+    """x as a complete cache FP under root (a local directory or an s3:// prefix)."""
+    n, s, h = x.shape
     ids = np.repeat(np.arange(n, dtype=np.int64)[:, None], s, 1)  # labels = the row
     cfg = CacheConfig(dtype="bf16", codec=codec, shuffle="none", shard_mb=shard_mb)
-    fp = "feed" * 4
-    w = CacheWriter.create(work / "cache", fp, samples=(np.arange(n), ids, ids), seq_len=s,
+    w = CacheWriter.create(root, FP, samples=(np.arange(n), ids, ids), seq_len=s,
                            hidden_size=h, cache_cfg=cfg, meta={"bench": "cache_reads"})  # fmt: skip
     for i in range(w.num_shards):
         w.write_shard(i, x[slice(*w.shard_range(i))])
     w.finalize()
-    npy = work / "plain.npy"
-    np.save(npy, x.view(torch.int16).numpy().view(np.uint16))  # the same stored bytes
-    return work / "cache", fp, npy, x
+
+
+def stored_u16(x: torch.Tensor) -> np.ndarray:
+    """The stored bytes of bf16 values, as uint16 (N, S, H)."""
+    return x.view(torch.int16).numpy().view(np.uint16)
+
+
+class RangedRows:
+    """The plain S3 arm: rows of one object of (N, S, H) uint16 values, each slice one ranged
+    read of exactly its rows' bytes (what a reader with no format of its own does).
+    read(start, stop): the object's bytes [start, stop), e.g. s3fs's cat_file."""
+
+    def __init__(self, read, shape: tuple[int, ...]):
+        self.read, self.shape, self.dtype = read, shape, np.dtype(np.uint16)
+        self.row_bytes = int(np.prod(shape[1:])) * 2
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        a, b, _ = rows.indices(self.shape[0])
+        data = self.read(a * self.row_bytes, b * self.row_bytes) if b > a else b""
+        return np.frombuffer(data, np.uint16).reshape(max(b - a, 0), *self.shape[1:])
+
+
+def s3_rows(url: str, shape: tuple[int, ...]) -> RangedRows:
+    """RangedRows of an S3 object, each slice one ranged GET."""
+    s3 = fs.filesystem("s3")
+    return RangedRows(lambda a, b: s3.cat_file(url, start=a, end=b), shape)
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -80,7 +119,8 @@ def _decode(u16: np.ndarray) -> torch.Tensor:
 
 
 def plain_batches(mm, labels: np.ndarray, kind: str, ds: CacheDataset, blocks: list):
-    """The memmap arm of each kind: the same rows, in the same batches, as the cache arm."""
+    """The plain arm of each kind (mm: a memmap or RangedRows, sliced by rows): the same rows,
+    in the same batches, as the cache arm."""
     b = ds.batch_size
     if kind == "sequential":
         for a in range(0, len(mm), b):
@@ -157,6 +197,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="values, shuffle and block seed")
     ap.add_argument("--warm", action="store_true", help="keep the page cache (no DONTNEED)")
+    ap.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
+                    help="where the cache and the plain file lie (s3: a moto server)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=None, help="directory for the data (temp)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="256 x 32 x 64 values, 1 repeat")
@@ -167,48 +209,85 @@ def main(argv=None) -> dict:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     work = Path(tempfile.mkdtemp(prefix="cache_reads-", dir=args.work))
     try:
-        return _run(args, work)
+        x = make_values(args.rows, args.seq, args.hidden, args.seed)
+        res = {"bench": "cache_reads",
+               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "row_mib": args.seq * args.hidden * 2 / 2**20, "targets": {}}  # fmt: skip
+        for target in args.targets:
+            with target_files(target, work, x, args) as (root, plain, files):
+                res["targets"][target] = _run(args, x, root, plain, files)
+        res["results"] = [{"target": t, **r} for t, v in res["targets"].items()
+                          for r in v.pop("results")]  # fmt: skip
+        res["load_average"], res["cpus"] = load_average(), os.cpu_count()
+        text = headline_table(
+            [("target", "read", "rows", "cache rows/s", "plain rows/s", "cache / plain")]
+            + [(r["target"], r["kind"], r["rows"], f"{r['cache_rows_s']:,.0f}",
+                f"{r['plain_rows_s']:,.0f}", f"{r['ratio']:.2f}") for r in res["results"]]
+        )  # fmt: skip
+        publish(res, text, args.out, "cache_reads")
+        return res
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(args, work: Path) -> dict:
-    root, fp, npy, x = make_data(work, args.rows, args.seq, args.hidden, args.codec,
-                                 args.shard_mb, args.seed)  # fmt: skip
-    cache = open_cache(root, fp)
-    fast = open_cache(root, fp, check_reads=False)  # block_unchecked
-    mm = np.load(npy, mmap_mode="r")
+@contextlib.contextmanager
+def target_files(target: str, work: Path, x: torch.Tensor, args):
+    """(cache root, a function giving a fresh plain arm, local files to drop from the page
+    cache) of one target, written there and removed after."""
+    if target == "local":
+        write_cache(work / "cache", x, args.codec, args.shard_mb)
+        npy = work / "plain.npy"
+        np.save(npy, stored_u16(x))  # the same stored bytes
+        files = [p for p in (work / "cache" / FP).rglob("*") if p.is_file()] + [npy]
+        # mapped afresh each pass: pages a live mapping holds are not dropped
+        yield work / "cache", lambda: np.load(npy, mmap_mode="r"), [] if args.warm else files
+        return
+    with moto_server() as url:
+        fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
+                                   region="us-east-1"))  # fmt: skip
+        root = f"s3://bench/{uuid.uuid4().hex[:8]}"
+        try:
+            write_cache(root, x, args.codec, args.shard_mb)
+            fs.put(f"{root}/plain.bin", stored_u16(x).tobytes())
+            yield root, lambda: s3_rows(f"{root}/plain.bin", tuple(x.shape)), []
+        finally:  # the server's objects go with it
+            fs.configure(None)
+
+
+def _run(args, x: torch.Tensor, root, plain, files: list[Path]) -> dict:
+    """One target's record: every kind checked, then timed through the cache and the plain arm."""
+    cache = open_cache(root, FP)
+    fast = open_cache(root, FP, check_reads=False)  # block_unchecked
     labels = np.repeat(np.arange(args.rows, dtype=np.int64)[:, None], args.seq, 1)
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, args.rows - args.block_rows + 1, size=args.blocks)
     blocks = [(int(a), int(a) + args.block_rows) for a in starts]
     ds = datasets(cache, args)
-    files = [p for p in (root / fp).rglob("*") if p.is_file()] + [npy]
 
     record = {}
     for kind in KINDS:  # correctness first (untimed): both arms, the values written
         d = ds.get(kind, ds["sequential"])
         c = fast if kind == "block_unchecked" else cache
         got = [check(kind, cache_batches(c, kind, d, blocks), x),
-               check(kind, plain_batches(mm, labels, kind, d, blocks), x),
+               check(kind, plain_batches(plain(), labels, kind, d, blocks), x),
                check(kind, cache_batches(c, kind, d, blocks), x)]  # fmt: skip
         assert got[0] == got[2], f"{kind}: two passes read other orders"
-        assert got[0] == got[1], f"{kind}: the memmap arm reads other rows"
+        assert got[0] == got[1], f"{kind}: the plain arm reads other rows"
         record[kind] = {"rows": got[0][0], "order_sha256": got[0][1]}
 
-    times = {k: {"cache": [], "memmap": []} for k in KINDS}
+    times = {k: {"cache": [], "plain": []} for k in KINDS}
     for r in range(args.repeats):
         for kind in KINDS:
             d = ds.get(kind, ds["sequential"])
-            for name in ("cache", "memmap") if r % 2 == 0 else ("memmap", "cache"):
-                if not args.warm:
+            for name in ("cache", "plain") if r % 2 == 0 else ("plain", "cache"):
+                if files:
                     drop_page_cache(files)
                 t0 = time.perf_counter()
                 if name == "cache":
                     c = fast if kind == "block_unchecked" else cache
                     batches = cache_batches(c, kind, d, blocks)
-                else:  # mapped afresh: pages a live mapping holds are not dropped
-                    batches = plain_batches(np.load(npy, mmap_mode="r"), labels, kind, d, blocks)
+                else:
+                    batches = plain_batches(plain(), labels, kind, d, blocks)
                 for _hidden, _labels in batches:
                     pass
                 del batches
@@ -216,17 +295,19 @@ def _run(args, work: Path) -> dict:
     rows = []
     for kind in KINDS:
         n = record[kind]["rows"]
-        cs, ms = (n / statistics.median(times[kind][a]) for a in ("cache", "memmap"))
-        rows.append({"kind": kind, "rows": n, "cache_rows_s": cs, "memmap_rows_s": ms,
-                     "ratio": cs / ms, "seconds": times[kind]})  # fmt: skip
+        cs, ps = (n / statistics.median(times[kind][a]) for a in ("cache", "plain"))
+        rows.append({"kind": kind, "rows": n, "cache_rows_s": cs, "plain_rows_s": ps,
+                     "ratio": cs / ps, "seconds": times[kind]})  # fmt: skip
     cache.close()
     fast.close()
-    row_mb = args.seq * args.hidden * 2 / 2**20
-    res = {
-        "bench": "cache_reads",
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "row_mib": row_mb,
-        "page_cache": "warm" if args.warm else "dropped before each pass (posix_fadvise)",
+    plain_arm = (
+        "numpy memmap of one .npy" if isinstance(root, Path) else "ranged GETs of one object"
+    )
+    return {
+        "plain": plain_arm,
+        "page_cache": ("warm" if args.warm else "dropped before each pass (posix_fadvise)")
+        if isinstance(root, Path)
+        else "none: every read a GET",
         "shuffle": {
             "seed": args.seed,
             "epoch": 0,
@@ -235,16 +316,7 @@ def _run(args, work: Path) -> dict:
         },  # fmt: skip
         "checked": record,
         "results": rows,
-        "load_average": load_average(),
-        "cpus": os.cpu_count(),
     }
-    text = headline_table(
-        [("read", "rows", "cache rows/s", "memmap rows/s", "cache / memmap")]
-        + [(r["kind"], r["rows"], f"{r['cache_rows_s']:,.0f}", f"{r['memmap_rows_s']:,.0f}",
-            f"{r['ratio']:.2f}") for r in rows]
-    )  # fmt: skip
-    publish(res, text, args.out, "cache_reads")
-    return res
 
 
 if __name__ == "__main__":

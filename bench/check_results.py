@@ -4,7 +4,7 @@ file its row names (issue #42). Run by `make test` (tests/test_check_results.py)
 A table's columns: measure | result | seeds | target | status | doc, results, where a table may
 hold several result columns (each header starting "result", e.g. one per data set); at most
 MAX_ROWS rows in all the tables. Each row
-- names its doc (`docs/X.md`, an `#anchor` one of its headings) and its results files
+- names its doc (`docs/X.md` or a dated log `docs/log/X.md`, an `#anchor` one of its headings) and its results files
   (`bench/results/X`): they exist, and the doc names each results file;
 - holds one number in each result cell (or "not reached"), which one of its files holds at the
   printed precision: a JSON as any numeric value that rounds to it, a text file (.md, .log, .txt)
@@ -30,7 +30,7 @@ from bench.harness import ROOT
 MAX_ROWS = 8  # issue #43: the front page's headline table
 NUM = re.compile(r"(?<![\w.])[-+\u2212]?\d+(?:\.\d+)?%?")
 FILE = re.compile(r"bench/results/([\w.\-]+)")
-DOC = re.compile(r"docs/([\w.\-]+\.md)(?:#([\w\-]+))?")
+DOC = re.compile(r"docs/((?:log/)?[\w.\-]+\.md)(?:#([\w\-]+))?")
 REACHED = re.compile(r"(\d+) of (\d+)")
 TARGET = re.compile(r"(<=|>=|≤|≥|<|>)\s*([-+]?\d+(?:\.\d+)?)")
 MEETS = {"<=": float.__le__, "≤": float.__le__, "<": float.__lt__,

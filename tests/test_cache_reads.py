@@ -16,19 +16,43 @@ from storage.reader import Cache, open_cache
 
 def test_cache_reads_quick_checks_every_read_and_records_its_shuffle(tmp_path):
     a = cache_reads.main(["--quick", "--work", str(tmp_path), "--out", str(tmp_path / "a.json")])
-    assert [r["kind"] for r in a["results"]] == list(cache_reads.KINDS)
-    assert all(r["cache_rows_s"] > 0 and r["memmap_rows_s"] > 0 for r in a["results"])
-    assert a["checked"]["sequential"]["rows"] == a["checked"]["shuffled"]["rows"] == 256
-    assert a["checked"]["block"]["rows"] == 8 * 16
+    assert [(r["target"], r["kind"]) for r in a["results"]] == [
+        (t, k) for t in cache_reads.TARGETS for k in cache_reads.KINDS
+    ]
+    assert all(r["cache_rows_s"] > 0 and r["plain_rows_s"] > 0 for r in a["results"])
+    local, s3 = a["targets"]["local"], a["targets"]["s3"]
+    for t in (local, s3):  # every read of each target was checked against the rows written
+        assert t["checked"]["sequential"]["rows"] == t["checked"]["shuffled"]["rows"] == 256
+        assert t["checked"]["block"]["rows"] == 8 * 16
+    assert s3["plain"] == "ranged GETs of one object" and local["plain"].startswith("numpy")
+    # the shuffle is the same rows in the same order from the disk and from S3
+    assert s3["shuffle"] == local["shuffle"]
     assert (tmp_path / "a.json").is_file() and not list(tmp_path.glob("cache_reads-*"))
-    again = cache_reads.main(["--quick", "--warm", "--work", str(tmp_path),
+    again = cache_reads.main(["--quick", "--warm", "--targets", "local", "--work", str(tmp_path),
                               "--out", str(tmp_path / "b.json")])  # fmt: skip
-    assert again["shuffle"]["order_sha256"] == a["shuffle"]["order_sha256"]
-    other = cache_reads.main(["--quick", "--warm", "--seed", "1", "--work", str(tmp_path),
-                              "--out", str(tmp_path / "c.json")])  # fmt: skip
-    assert other["shuffle"]["order_sha256"] != a["shuffle"]["order_sha256"]
-    seq = a["checked"]["sequential"]["order_sha256"]
-    assert seq != a["shuffle"]["order_sha256"]  # shuffled is not the sequential order
+    assert list(again["targets"]) == ["local"]
+    assert again["targets"]["local"]["shuffle"]["order_sha256"] == local["shuffle"]["order_sha256"]
+    other = cache_reads.main(["--quick", "--warm", "--targets", "local", "--seed", "1",
+                              "--work", str(tmp_path), "--out", str(tmp_path / "c.json")])  # fmt: skip
+    assert other["targets"]["local"]["shuffle"]["order_sha256"] != local["shuffle"]["order_sha256"]
+    seq = local["checked"]["sequential"]["order_sha256"]
+    assert seq != local["shuffle"]["order_sha256"]  # shuffled is not the sequential order
+
+
+def test_ranged_rows_reads_exactly_the_rows_it_is_asked_for(tmp_path):
+    """The plain S3 arm's slices are the rows of the object, as a memmap's are."""
+    x = cache_reads.make_values(10, 3, 4, seed=0)
+    mm = np.load(_npy(tmp_path, x), mmap_mode="r")
+    blob, reads = cache_reads.stored_u16(x).tobytes(), []
+    rr = cache_reads.RangedRows(lambda a, b: reads.append((a, b)) or blob[a:b], tuple(x.shape))
+    for sl in (slice(0, 10), slice(3, 7), slice(9, 10), slice(4, 4)):
+        assert np.array_equal(rr[sl], mm[sl])
+    assert reads == [(0, 240), (72, 168), (216, 240)]  # one read a slice, just its rows' bytes
+
+
+def _npy(tmp_path, x):
+    np.save(tmp_path / "x.npy", cache_reads.stored_u16(x))
+    return tmp_path / "x.npy"
 
 
 def _cache(root, codec: str):
