@@ -95,6 +95,37 @@ def test_head_loss_equals_plain_loss_through_the_model(arch):
             assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_head_loss_runs_the_head_over_the_counted_positions_only(chunk):
+    """A response-only batch (most labels IGNORE): the head's matmuls run over the counted
+    positions alone (FLOPs in proportion, fused or plain), with the loss and the gradient of
+    the hidden states the plain loss over every position gives (zero where nothing counts)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    adapter = get_adapter(build_model(tiny_model_config("llama")), "llama")
+    h = torch.randn(4, 16, adapter.hidden_size, requires_grad=True)
+    labels = tiny_input_ids(4, 16, adapter.vocab_size, seed=3)
+    few = labels.clone()
+    few[:, torch.arange(16) % 4 != 0] = IGNORE  # 16 of 64 positions count
+
+    def run(y):
+        h.grad = None
+        with FlopCounterMode(display=False) as fc:
+            loss = head_loss(adapter, h, y, chunk)
+            loss.backward()
+        return loss.detach(), h.grad.clone(), fc.get_total_flops()
+
+    _, _, every = run(labels)
+    loss, grad, flops = run(few)
+    assert flops == every // 4
+    h.grad = None
+    want = lm_loss(adapter.head(h), few)
+    want.backward()
+    assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    assert_close(grad, h.grad, rtol=1e-5, atol=1e-7)
+    assert torch.count_nonzero(grad[few == IGNORE]) == 0
+
+
 def test_head_loss_under_bf16_autocast_is_close_to_plain():
     model = build_model(tiny_model_config("gpt2"))
     adapter = get_adapter(model, "gpt2")
