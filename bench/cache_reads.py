@@ -38,17 +38,16 @@ import shutil
 import statistics
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.harness import headline_table, load_average, publish
-from bench.writer import moto_server
+from bench.writer import moto_root
 from storage import fs
 from storage.cache import CacheWriter
-from storage.config import CacheConfig, StorageConfig
+from storage.config import CacheConfig
 from storage.dataset import CacheDataset
 from storage.reader import open_cache
 
@@ -214,8 +213,8 @@ def main(argv=None) -> dict:
                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "row_mib": args.seq * args.hidden * 2 / 2**20, "targets": {}}  # fmt: skip
         for target in args.targets:
-            with target_files(target, work, x, args) as (root, plain, files):
-                res["targets"][target] = _run(args, x, root, plain, files)
+            with target_files(target, work, x, args) as (root, plain, files, about):
+                res["targets"][target] = {**about, **_run(args, x, root, plain, files)}
         res["results"] = [{"target": t, **r} for t, v in res["targets"].items()
                           for r in v.pop("results")]  # fmt: skip
         res["load_average"], res["cpus"] = load_average(), os.cpu_count()
@@ -233,25 +232,23 @@ def main(argv=None) -> dict:
 @contextlib.contextmanager
 def target_files(target: str, work: Path, x: torch.Tensor, args):
     """(cache root, a function giving a fresh plain arm, local files to drop from the page
-    cache) of one target, written there and removed after."""
+    cache, what the target's record says of its plain arm and page cache) of one target,
+    written there and removed after."""
     if target == "local":
         write_cache(work / "cache", x, args.codec, args.shard_mb)
         npy = work / "plain.npy"
         np.save(npy, stored_u16(x))  # the same stored bytes
         files = [p for p in (work / "cache" / FP).rglob("*") if p.is_file()] + [npy]
+        about = {"plain": "numpy memmap of one .npy",
+                 "page_cache": "warm" if args.warm else "dropped before each pass (posix_fadvise)"}  # fmt: skip
         # mapped afresh each pass: pages a live mapping holds are not dropped
-        yield work / "cache", lambda: np.load(npy, mmap_mode="r"), [] if args.warm else files
+        yield work / "cache", lambda: np.load(npy, mmap_mode="r"), [] if args.warm else files, about
         return
-    with moto_server() as url:
-        fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
-                                   region="us-east-1"))  # fmt: skip
-        root = f"s3://bench/{uuid.uuid4().hex[:8]}"
-        try:
-            write_cache(root, x, args.codec, args.shard_mb)
-            fs.put(f"{root}/plain.bin", stored_u16(x).tobytes())
-            yield root, lambda: s3_rows(f"{root}/plain.bin", tuple(x.shape)), []
-        finally:  # the server's objects go with it
-            fs.configure(None)
+    with moto_root() as root:  # the server's objects go with it
+        write_cache(root, x, args.codec, args.shard_mb)
+        fs.put(f"{root}/plain.bin", stored_u16(x).tobytes())
+        about = {"plain": "ranged GETs of one object", "page_cache": "none: every read a GET"}
+        yield root, lambda: s3_rows(f"{root}/plain.bin", tuple(x.shape)), [], about
 
 
 def _run(args, x: torch.Tensor, root, plain, files: list[Path]) -> dict:
@@ -300,14 +297,7 @@ def _run(args, x: torch.Tensor, root, plain, files: list[Path]) -> dict:
                      "ratio": cs / ps, "seconds": times[kind]})  # fmt: skip
     cache.close()
     fast.close()
-    plain_arm = (
-        "numpy memmap of one .npy" if isinstance(root, Path) else "ranged GETs of one object"
-    )
     return {
-        "plain": plain_arm,
-        "page_cache": ("warm" if args.warm else "dropped before each pass (posix_fadvise)")
-        if isinstance(root, Path)
-        else "none: every read a GET",
         "shuffle": {
             "seed": args.seed,
             "epoch": 0,

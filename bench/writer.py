@@ -109,6 +109,19 @@ def moto_server():
         proc.kill()
 
 
+@contextlib.contextmanager
+def moto_root():
+    """An s3:// prefix of its own on a fresh moto server (moto_server), with this process's
+    storage configured to reach it; the configuration is reset and the server stopped after."""
+    with moto_server() as url:
+        fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
+                                   region="us-east-1"))  # fmt: skip
+        try:
+            yield f"s3://bench/{uuid.uuid4().hex[:8]}"
+        finally:
+            fs.configure(None)
+
+
 def run(args) -> dict:
     logging.getLogger("botocore").setLevel(logging.ERROR)
     rows = max(1, int(args.mb * 1e6 // (args.seq * args.hidden * 2)))
@@ -137,11 +150,7 @@ def run(args) -> dict:
             tmp = tempfile.TemporaryDirectory(prefix="writer-", dir=args.dir)
             roots["local"] = stack.enter_context(tmp)
         if "s3" in args.targets:
-            url = stack.enter_context(moto_server())
-            fs.configure(StorageConfig(endpoint_url=url, key="testing", secret="testing",
-                                       region="us-east-1"))  # fmt: skip
-            stack.callback(fs.configure, None)
-            roots["s3"] = f"s3://bench/{uuid.uuid4().hex[:8]}"
+            roots["s3"] = stack.enter_context(moto_root())
         arms = {(t, c, n): lambda r=r, c=c, n=n: write(r, c, n)
                 for t, r in roots.items() for c in args.codecs for n in args.threads}  # fmt: skip
         raw = interleaved(arms, args.repeats)  # after a warm-up: imports, pools, connections

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import tiny_input_ids, tiny_model_config
 from preinfer.model.adapters import forward_blocks, get_adapter
@@ -100,8 +101,6 @@ def test_head_loss_runs_the_head_over_the_counted_positions_only(chunk):
     """A response-only batch (most labels IGNORE): the head's matmuls run over the counted
     positions alone (FLOPs in proportion, fused or plain), with the loss and the gradient of
     the hidden states the plain loss over every position gives (zero where nothing counts)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     adapter = get_adapter(build_model(tiny_model_config("llama")), "llama")
     h = torch.randn(4, 16, adapter.hidden_size, requires_grad=True)
     labels = tiny_input_ids(4, 16, adapter.vocab_size, seed=3)
