@@ -39,7 +39,8 @@ from bench.harness import (
     spread,
 )
 from core.config import ConfigError
-from pipelines.extract import ExtractConfig, layer_states, load_layers, run_extract
+from pipelines.extract import ExtractConfig, run_extract
+from pipelines.extract_worker import layer_states, load_layers
 from pipelines.init import run_init
 from pipelines.tokenize import run_tokenize
 from preinfer.checkpoint.store import Checkpoint
@@ -55,8 +56,8 @@ STATS = ("setup_s", "forward_s", "write_s", "wait_s", "loop_s", "seconds")
 
 
 class BareForward:
-    """layer_states over the extract's micro-batches, shard by shard, as pipelines/extract.py's
-    loop runs them: each layer's micro-batch outputs moved to the host and joined per shard."""
+    """layer_states over the extract's micro-batches, shard by shard, as the extract's worker
+    (pipelines/extract_worker.py) runs them: each layer's micro-batch outputs moved to the host and joined per shard."""
 
     def __init__(self, cfg, layers: tuple[int, ...], shards: list[torch.Tensor]):
         self.layers, self.shards, self.mb = layers, shards, cfg.preinfer.micro_batch

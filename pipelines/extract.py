@@ -20,31 +20,39 @@ split's first `max_rows` token-store rows in store order; sample_id is the row's
 split, and input_ids / labels stay with every row (samples.parquet).
 
 The extracted fingerprints are recorded in <run.dir>/extracts.json (their `caches_in_use`).
-Runs in this process (no Ray); the shard writes run on a helper thread while the next shard
-computes.
+The forward and the writes are LayerWorker's (pipelines/extract_worker.py): in this process,
+or over a pool of Ray actors (preinfer.executor=ray, or auto under a Ray job: the same choice
+and actor settings as a cache build); either way a shard's write runs on a helper thread while
+the next shard computes, and the manifest is written last, by this process.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from core.config import ConfigError
 from core.fingerprint import CACHE_FORMAT_VERSION, SHORT, chain
+from pipelines.cache_build import actor_env, executor, shards_per_task
+from pipelines.extract_worker import LayerWorker
+from pipelines.ray_env import (
+    actor_resources,
+    credentials_env,
+    ensure_ray,
+    map_over_actors,
+    runtime_env_vars,
+    worker_payload,
+)
 from preinfer.checkpoint.store import Checkpoint
-from preinfer.model.adapters import Adapter
 from preinfer.plan.guards import check_vocab
 from preinfer.run.config import Config
 from preinfer.run.provenance import check_settings
-from preinfer.runtime.device import pin_threads, resolve_device, torch_dtype
 from preinfer.schedule.cache_identity import codec_spec, compute_choice
 from storage import atomic, fs
 from storage.atomic import dir_bytes, human
@@ -164,35 +172,6 @@ def spec_for(cfg: Config, layer: int, split: str = "train") -> ExtractSpec:
                        hidden_size=ckpt.hidden_size, format_version=CACHE_FORMAT_VERSION)  # fmt: skip
 
 
-# -------------------------------------------------------------------------------- forward
-
-
-@torch.inference_mode()
-def layer_states(adapter: Adapter, ids: torch.Tensor, layers: tuple[int, ...]) -> list:
-    """(B, S) ids -> [hidden (B, S, H) entering layer L for L in layers], one pass through
-    embed and layers 0..max(layers)-1 (the later layers and the head never run)."""
-    adapter.require_loaded("embed")
-    x = adapter.embed(ids)  # (B, S, H): entering layer 0
-    out = {0: x}
-    top = max(layers)
-    ctx = adapter.context(x) if top > 0 else {}
-    for i in range(top):
-        adapter.require_loaded("layers", i)
-        x = adapter.layer(i, x, ctx)  # (B, S, H): entering layer i + 1
-        if i + 1 in layers:
-            out[i + 1] = x
-    return [out[L] for L in layers]
-
-
-def load_layers(ckpt: Checkpoint, top: int, device, dtype) -> Adapter:
-    """The model with only the blocks holding embed and layers 0..top-1 loaded."""
-    part = ckpt.partition
-    last = part.block_of_layer(top - 1) if top > 0 else 0
-    model, adapter = ckpt.load(range(last + 1), device=device)
-    model.to(dtype).eval()
-    return adapter
-
-
 # ---------------------------------------------------------------------------------- stage
 
 
@@ -247,7 +226,7 @@ def run_extract(cfg: Config, ec: ExtractConfig, *, log=print) -> dict:
     }
     del samples
     missing = {x: set(w.missing_shards()) for x, w in writers.items()}
-    stats = _compute(cfg, ckpt, writers, missing, base["compute_dtype"])
+    stats = _compute(cfg, {x: fps[x] for x in todo}, missing, base["compute_dtype"], log)
     for w in writers.values():
         w.finalize()
     _record(cfg, fps.values())
@@ -257,65 +236,70 @@ def run_extract(cfg: Config, ec: ExtractConfig, *, log=print) -> dict:
         f"cache extract: layers {_names(todo)} of {ec.split}: {stats['shards']} shards, "
         f"{stats['rows_computed']} rows in {stats['loop_s']:.1f}s ({tok_s:,.0f} tok/s; forward "
         f"{stats['forward_s']:.1f}s, write {stats['write_s']:.1f}s on a helper thread, waited "
-        f"{stats['wait_s']:.1f}s for it) -> " + ", ".join(f"L{x} {fps[x][:12]}" for x in todo)
+        f"{stats['wait_s']:.1f}s for it; executor {stats['executor']}) -> "
+        + ", ".join(f"L{x} {fps[x][:12]}" for x in todo)
     )
     return {"action": "extracted", **result, **stats}
 
 
-def _compute(cfg: Config, ckpt: Checkpoint, writers: dict, missing: dict, compute: str) -> dict:
+def _compute(cfg: Config, fps: dict, missing: dict, compute: str, log) -> dict:
     """Every shard some layer lacks: its rows' forward once, then each lacking layer's shard
-    written (on a helper thread, while the next shard computes)."""
-    device = resolve_device(cfg.run.device)
-    if device.type == "cpu":
-        pin_threads()
-    layers = tuple(sorted(writers))
-    adapter = load_layers(ckpt, max(layers), device, torch_dtype(compute))
-    first = writers[layers[0]]  # every writer has the same rows and shard size
+    written, by LayerWorkers in this process or over a Ray actor pool (preinfer.executor, as
+    a cache build chooses: cache_build.executor)."""
+    layers = tuple(sorted(fps))  # fps: layer -> fingerprint of each cache being written
     shards = sorted(set().union(*missing.values()))
-    mb = cfg.preinfer.micro_batch
-    stats = {"shards": 0, "rows_computed": 0, "forward_s": 0.0, "write_s": 0.0, "wait_s": 0.0}
-    pending: Future | None = None
+    lacks = np.array([[s in missing[x] for x in layers] for s in shards], dtype=bool)
+    where = executor(cfg)
+    log(f"  compute dtype {compute}; executor {where}")
+    stats = {"shards": 0, "rows_computed": 0, "forward_s": 0.0, "write_s": 0.0, "wait_s": 0.0,
+             "executor": where}  # fmt: skip
     t_loop = time.perf_counter()
-    with (
-        ThreadPoolExecutor(1, thread_name_prefix="extract-write") as pool,
-        tqdm(total=len(shards), desc="extract", unit="shard", disable=None) as bar,
-    ):
-        try:
-            for i in shards:
-                a, b = first.shard_range(i)
-                x = torch.from_numpy(np.array(first.read_input_ids(a, b))).long()  # (n, S)
-                t1 = time.perf_counter()
-                parts = [layer_states(adapter, x[j : j + mb].to(device), layers)
-                         for j in range(0, len(x), mb)]  # fmt: skip
-                hidden = {L: torch.cat([p[k].cpu() for p in parts]) for k, L in enumerate(layers)}
-                del parts
-                stats["forward_s"] += time.perf_counter() - t1
-                t2 = time.perf_counter()
-                if pending is not None:
-                    stats["write_s"] += pending.result()
-                stats["wait_s"] += time.perf_counter() - t2
-                todo = [(writers[L], hidden[L]) for L in layers if i in missing[L]]
-                pending = pool.submit(_write, i, todo)
-                stats["shards"] += 1
-                stats["rows_computed"] += b - a
-                bar.update(1)
-            t2 = time.perf_counter()
-            if pending is not None:
-                stats["write_s"] += pending.result()
-                pending = None
-            stats["wait_s"] += time.perf_counter() - t2
-        finally:
-            if pending is not None:
-                pending.exception()  # an error elsewhere: let the write finish (or fail) first
+    if where == "local":
+        records = _local_records(cfg, fps, compute, shards, lacks)
+    else:
+        records = _ray_records(cfg, fps, compute, shards, lacks)
+    with tqdm(total=len(shards), desc="extract", unit="shard", disable=None) as bar:
+        for rec in records:
+            stats["shards"] += 1
+            stats["rows_computed"] += int(rec["rows"])
+            for k in ("forward_s", "write_s", "wait_s"):
+                stats[k] += float(rec[k])
+            bar.update(1)
     stats["loop_s"] = time.perf_counter() - t_loop
     return stats
 
 
-def _write(i: int, todo: list) -> float:
-    t0 = time.perf_counter()
-    for writer, hidden in todo:
-        writer.write_shard(i, hidden)
-    return time.perf_counter() - t0
+def _local_records(cfg: Config, fps: dict, compute: str, shards: list, lacks: np.ndarray):
+    """One LayerWorker in this process over every shard, pipelined across all of them."""
+    worker = LayerWorker(cfg, fps, compute)
+    try:
+        yield from worker.stream(shards, lacks)
+    finally:
+        worker.close()
+
+
+def _ray_records(cfg: Config, fps: dict, compute: str, shards: list, lacks: np.ndarray):
+    """The shards over a pool of LayerWorker actors (preinfer.actors, each with the resources
+    of a pre-inference actor), shards_per_task shards per call; a record per shard as calls
+    return (any order)."""
+    creds = credentials_env(cfg)
+    ensure_ray(cfg.run.verbose, env=creds)
+    pool = min(cfg.preinfer.actors, len(shards))
+    per = shards_per_task(cfg, len(shards), pool)
+    calls = [{"shard": np.asarray(shards[i : i + per]), "lacks": lacks[i : i + per]}
+             for i in range(0, len(shards), per)]  # fmt: skip
+    env = {**actor_env(cfg), **runtime_env_vars(creds)}
+    options = {
+        "max_restarts": cfg.preinfer.max_restarts,
+        "max_task_retries": cfg.preinfer.max_task_retries,
+        "runtime_env": {"env_vars": env} if env else None,
+        **actor_resources(cfg),
+    }
+    kwargs = {"cfg": worker_payload(cfg), "fingerprints": fps, "compute": compute}
+    for out in map_over_actors(LayerWorker, kwargs, calls, actors=pool, method="run",
+                               options=options):  # fmt: skip
+        for j in range(len(out["shard"])):
+            yield {k: v[j] for k, v in out.items()}
 
 
 def _check_disk(root, fps: dict, todo: list, n: int, seq: int, hidden: int, dtype: str) -> None:

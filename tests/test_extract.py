@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines import cli
+from pipelines import cli, extract_worker
 from pipelines import extract as ex
 from pipelines.extract import ExtractConfig, model_hash, run_extract, spec_for
 from pipelines.init import run_init
@@ -71,8 +71,8 @@ def test_layers_equal_the_models_own_hidden_states(tiny_run, tmp_path, arch):
 def test_one_forward_serves_every_layer_and_a_rerun_resumes(tiny_run, monkeypatch):
     cfg = tiny_run("cache.dtype=bf16", "cache.shard_mb=0.01", "preinfer.micro_batch=4")
     calls = []
-    real = ex.layer_states
-    monkeypatch.setattr(ex, "layer_states", lambda *a: calls.append(a[2]) or real(*a))
+    real = extract_worker.layer_states
+    monkeypatch.setattr(extract_worker, "layer_states", lambda *a: calls.append(a[2]) or real(*a))
     res = run_extract(cfg, ExtractConfig(layers=(1, 3), max_rows=50), log=quiet)
     caches = {k: open_cache(cfg.cache.root, fp) for k, fp in res["layers"].items()}
     shards = caches["1"].num_shards
@@ -98,6 +98,36 @@ def test_one_forward_serves_every_layer_and_a_rerun_resumes(tiny_run, monkeypatc
     assert verify_cache(cfg.cache.root, res["layers"]["3"]) == []
     kept = json.loads((Path(cfg.run.dir) / "extracts.json").read_text())  # for `cache gc`
     assert sorted(kept["caches_in_use"]) == sorted(res["layers"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.functional
+@pytest.mark.ray
+def test_an_extract_over_ray_actors_writes_the_same_bytes_and_resumes(tiny_run, tmp_path):
+    """preinfer.executor=ray: two LayerWorker actors share the shards; every layer's cache
+    equals the in-process extract's byte for byte (the same shard checksums), and a rerun after
+    a lost shard recomputes that shard only, over the actors too."""
+    sets = ["cache.dtype=bf16", "cache.shard_mb=0.01", "preinfer.micro_batch=4"]
+    local = tiny_run(*sets, f"cache.root={tmp_path / 'local'}", "preinfer.executor=local")
+    ray_cfg = tiny_run(*sets, f"cache.root={tmp_path / 'ray'}", "preinfer.executor=ray",
+                       "preinfer.actors=2")  # fmt: skip
+    ec = ExtractConfig(layers=(1, 3), max_rows=50)
+    want = run_extract(local, ec, log=quiet)
+    got = run_extract(ray_cfg, ec, log=quiet)
+    assert got["layers"] == want["layers"]  # the same identity: the same fingerprints
+    assert got["executor"] == "ray" and want["executor"] == "local"
+    assert got["shards"] == want["shards"] > 2 and got["rows_computed"] == 50
+    for fp in got["layers"].values():
+        a = json.loads((Path(local.cache.root) / fp / MANIFEST).read_text())["shards"]
+        b = json.loads((Path(ray_cfg.cache.root) / fp / MANIFEST).read_text())["shards"]
+        assert a == b and verify_cache(ray_cfg.cache.root, fp) == []
+    d3 = Path(ray_cfg.cache.root) / got["layers"]["3"]
+    (d3 / MANIFEST).unlink()
+    (d3 / "done" / "00002.json").unlink()
+    again = run_extract(ray_cfg, ec, log=quiet)
+    assert again["action"] == "extracted" and again["shards"] == 1
+    m3 = json.loads((Path(local.cache.root) / got["layers"]["3"] / MANIFEST).read_text())
+    assert json.loads((d3 / MANIFEST).read_text())["shards"] == m3["shards"]
 
 
 def test_manifest_records_what_a_reuser_must_match(tiny_run):

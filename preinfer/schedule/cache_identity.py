@@ -32,7 +32,7 @@ SPLITS = ("train", "val")
 @dataclass(kw_only=True)
 class PreinferConfig:
     actors: int = 2
-    """Size of the Ray actor pool running the prefix."""
+    """Size of the Ray actor pool running the prefix (cache build, refresh) or the layers (cache extract)."""
     cpus_per_actor: float = 0.5
     """CPUs each actor asks Ray for when no GPU is present (fractional keeps the read stage alive)."""
     gpus_per_actor: float = 1.0
@@ -40,7 +40,7 @@ class PreinferConfig:
     micro_batch: int = 16
     """Samples per forward call inside an actor."""
     executor: Literal["auto", "local", "ray"] = "auto"
-    """Where the prefix runs: local = this process; ray = an actor pool; auto = ray for a Ray cluster job (RAY_ADDRESS) or several GPUs, else local."""
+    """Where the prefix (cache build, refresh) and the layers (cache extract) run: local = this process; ray = an actor pool; auto = ray for a Ray cluster job (RAY_ADDRESS) or several GPUs, else local."""
     malloc_mmap_threshold_mb: float = 4.0
     """glibc mmap threshold (MiB) a worker process pins while it loads weights (32 MiB for compute), so freed weights leave RSS; 0 = allocator untouched."""
     malloc_arenas: int = 2
