@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.visit_step --batch 8 --seq 128 --repeats 9 --block 1
 
 Every arm trains the same parameters of the same weights on the same batches, fp32, in one
-process, interleaved (docs/economics.md, "A visit's step against BAdam's same step"):
+process, interleaved (docs/log/2026-12-02.md, "A visit's step against BAdam's same step"):
 `preinfer` (BlockStep in bcd-recompute mode, the config's fused chunked loss), `preinfer,
 unfused loss` (train.loss_chunk=0) and `badam` (the HF model, PyPI badam's BlockOptimizer over
 preinfer's blocks, the peers bench's loss). Each step is split into forward + loss, backward,

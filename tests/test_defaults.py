@@ -60,7 +60,7 @@ def test_the_dataclass_defaults_are_the_recipe():
 
 # ---- defaults by case (issue #54 lever 1)
 
-# issue #41's measured fine-tune levers (docs/economics.md): literal here, so a lever dropped
+# issue #41's measured fine-tune levers (docs/log/2026-12-03.md): literal here, so a lever dropped
 # from FINETUNE_DEFAULTS (or its value changed) fails every fine-tune case below
 LEVERS = {"train.suffix_rank": 16, "train.freeze": ["embed"]}
 

@@ -116,7 +116,7 @@ def _absolute(path: str) -> str:
 
 
 # A run initialised from a pretrained model (model.checkpoint set: a fine-tune, a chat fine-tune)
-# gets the fine-tune levers measured best on SmolLM2-135M-Instruct (issue #41, docs/economics.md:
+# gets the fine-tune levers measured best on SmolLM2-135M-Instruct (issue #41, docs/log/2026-12-03.md:
 # rank-16 suffix adapters and the frozen embedding, val loss 2.740 against 2.874 without, peak
 # RSS below LoRA r16's) unless its config sets them. Pretraining (random init, any data format)
 # keeps the dataclass defaults: its own measured settings (issue #42).

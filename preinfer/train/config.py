@@ -13,7 +13,7 @@ from core.config import ConfigError
 PAPER_DEFAULTS = {"sgd": (0.1, 0.9, 1e-5), "adam": (1e-4, 0.0, 1e-5), "adamw": (1e-4, 0.0, 1e-5)}
 # train.suffix_lr null: the suffix adapters' peak lr = min(SUFFIX_LR_MULTIPLE x the block's,
 # max(the block's, SUFFIX_LR_CAP)). A fine-tune's 3e-4 gives 3e-3, the measured best there
-# (LoRA's best lr in our bench was 10x bcd's; 1e-3 was worse, docs/economics.md); a
+# (LoRA's best lr in our bench was 10x bcd's; 1e-3 was worse, docs/log/2026-12-02.md); a
 # pretraining's 2e-3 gives 3e-3, not 10x = 2e-2, which diverged to the unigram level (issue
 # #53: ppl 531 against 45; 1x gave 44.2). On a tiny LLaMA at lr 2e-3 (H4): 10x 5.952 (the
 # unigram level, 5.935), 1.5x 5.506, 1x 5.493 whole-val loss.
@@ -30,7 +30,7 @@ class TrainConfig:
     order: Literal["ascending", "descending", "random"] = "ascending"
     """Blocks per round (bcd modes; full ignores it): 0..M-1; M-1..0 head first (an untied head is in block M-1; GPT-2's tied head matrix is wte, block 0's); random = a permutation per round seeded by (train.seed, round), as BAdam offers."""
     always_train: list[Literal["head"]] = dataclasses.field(default_factory=lambda: ["head"])
-    """Parts that train in every bcd visit besides its block: head = the final norm and an untied LM head (block M-1's; a tied head matrix stays block 0's), their optimizer state kept with block M-1's. They follow every cached prefix: no cache is invalidated. Default [head]: the measured best in pretraining and fine-tuning (docs/quality.md, docs/economics.md); [] = the block alone."""
+    """Parts that train in every bcd visit besides its block: head = the final norm and an untied LM head (block M-1's; a tied head matrix stays block 0's), their optimizer state kept with block M-1's. They follow every cached prefix: no cache is invalidated. Default [head]: the measured best in pretraining and fine-tuning (docs/quality.md, docs/log/2026-12-02.md); [] = the block alone."""
     freeze: list[Literal["embed"]] = dataclasses.field(default_factory=list)
     """Parts that never train: embed = the token embedding, and with it a tied LM head (the same matrix). Its gradient, optimizer state and the head's weight-gradient matmul are then not computed; the final norm still trains (train.always_train). [] = every part trains in its block's visits."""
     suffix_rank: int = 0

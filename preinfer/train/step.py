@@ -30,7 +30,7 @@ def build_optimizer(
         )
     cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
     # the fused kernel: one pass over each tensor, no temporaries; on CPU 4-5x faster than the
-    # default per-tensor loop (docs/economics.md), which holds 2-3 copies of the largest tensor
+    # default per-tensor loop (docs/log/2026-12-02.md), which holds 2-3 copies of the largest tensor
     every = [p for g in groups for p in g["params"]]
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in every)
     return cls(
