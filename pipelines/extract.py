@@ -254,7 +254,9 @@ def _compute(cfg: Config, fps: dict, missing: dict, compute: str, log) -> dict:
     stats = {"shards": 0, "rows_computed": 0, "forward_s": 0.0, "write_s": 0.0, "wait_s": 0.0,
              "executor": where}  # fmt: skip
     t_loop = time.perf_counter()
-    if where == "local":
+    if not shards:  # every shard has its marker (a crash before the manifest): finalize only
+        records = iter(())
+    elif where == "local":
         records = _local_records(cfg, fps, compute, shards, lacks)
     else:
         records = _ray_records(cfg, fps, compute, shards, lacks)

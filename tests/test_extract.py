@@ -92,6 +92,12 @@ def test_one_forward_serves_every_layer_and_a_rerun_resumes(tiny_run, monkeypatc
     again = run_extract(cfg, ExtractConfig(layers=(3, 1), max_rows=50), log=quiet)
     assert again["action"] == "extracted" and again["shards"] == 1 and len(calls) == per_shard[1]
     assert json.loads((d3 / MANIFEST).read_text())["shards"] == before["3"]  # the same bytes
+    # a crash after every shard's marker and before the manifest: the rerun only finalizes
+    (d3 / MANIFEST).unlink()
+    calls.clear()
+    last = run_extract(cfg, ExtractConfig(layers=(3,), max_rows=50), log=quiet)
+    assert last["action"] == "extracted" and last["shards"] == 0 and calls == []
+    assert json.loads((d3 / MANIFEST).read_text())["shards"] == before["3"]
     assert run_extract(cfg, ExtractConfig(layers=(1, 3), max_rows=50), log=quiet)["action"] == (
         "reused"
     )
