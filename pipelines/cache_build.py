@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -156,16 +157,25 @@ def _local_records(cfg: Config, items: list[dict], worker_kw: dict):
 
 
 def _ray_records(cfg: Config, items: list[dict], worker_kw: dict):
-    """The shards over a pool of PrefixWorker actors, shards_per_task shards per call; a
-    record per shard, as calls return. worker_kw: plain data only (the payload, not the Config)."""
+    """The shards over a pool of PrefixWorker actors; a record per shard, as calls return.
+    worker_kw: plain data only (the payload, not the Config)."""
+
+    def call(a: int, b: int) -> dict:
+        return {k: np.asarray([it[k] for it in items[a:b]]) for k in ("fingerprint", "shard")}
+
+    yield from shards_over_actors(cfg, PrefixWorker, worker_kw, len(items), call)
+
+
+def shards_over_actors(cfg: Config, cls: type, kwargs: dict, n: int, call) -> Iterator[dict]:
+    """n shards over a pool of `cls` actors (preinfer.actors, their resources, restarts and
+    retries), shards_per_task shards per call: call(a, b) is the call of items [a, b), and each
+    call returns arrays with one entry per shard (its "shard" among them). Yields one record
+    per shard as calls return (any order). kwargs: plain data only (the worker payload)."""
     creds = credentials_env(cfg)
     ensure_ray(cfg.run.verbose, env=creds)
-    pool = min(cfg.preinfer.actors, len(items))
-    per = shards_per_task(cfg, len(items), pool)
-    calls = [
-        {k: np.asarray([it[k] for it in items[i : i + per]]) for k in ("fingerprint", "shard")}
-        for i in range(0, len(items), per)
-    ]
+    pool = min(cfg.preinfer.actors, n)
+    per = shards_per_task(cfg, n, pool)
+    calls = [call(i, min(i + per, n)) for i in range(0, n, per)]
     env = {**actor_env(cfg), **runtime_env_vars(creds)}
     options = {
         "max_restarts": cfg.preinfer.max_restarts,
@@ -173,9 +183,7 @@ def _ray_records(cfg: Config, items: list[dict], worker_kw: dict):
         "runtime_env": {"env_vars": env} if env else None,
         **actor_resources(cfg),
     }
-    for out in map_over_actors(
-        PrefixWorker, worker_kw, calls, actors=pool, method="run", options=options
-    ):
+    for out in map_over_actors(cls, kwargs, calls, actors=pool, method="run", options=options):
         for j in range(len(out["shard"])):
             yield {k: v[j] for k, v in out.items()}
 

@@ -39,16 +39,9 @@ from tqdm import tqdm
 
 from core.config import ConfigError
 from core.fingerprint import CACHE_FORMAT_VERSION, SHORT, chain
-from pipelines.cache_build import actor_env, executor, shards_per_task
+from pipelines.cache_build import executor, shards_over_actors
 from pipelines.extract_worker import LayerWorker
-from pipelines.ray_env import (
-    actor_resources,
-    credentials_env,
-    ensure_ray,
-    map_over_actors,
-    runtime_env_vars,
-    worker_payload,
-)
+from pipelines.ray_env import worker_payload
 from preinfer.checkpoint.store import Checkpoint
 from preinfer.plan.guards import check_vocab
 from preinfer.run.config import Config
@@ -281,27 +274,14 @@ def _local_records(cfg: Config, fps: dict, compute: str, shards: list, lacks: np
 
 
 def _ray_records(cfg: Config, fps: dict, compute: str, shards: list, lacks: np.ndarray):
-    """The shards over a pool of LayerWorker actors (preinfer.actors, each with the resources
-    of a pre-inference actor), shards_per_task shards per call; a record per shard as calls
-    return (any order)."""
-    creds = credentials_env(cfg)
-    ensure_ray(cfg.run.verbose, env=creds)
-    pool = min(cfg.preinfer.actors, len(shards))
-    per = shards_per_task(cfg, len(shards), pool)
-    calls = [{"shard": np.asarray(shards[i : i + per]), "lacks": lacks[i : i + per]}
-             for i in range(0, len(shards), per)]  # fmt: skip
-    env = {**actor_env(cfg), **runtime_env_vars(creds)}
-    options = {
-        "max_restarts": cfg.preinfer.max_restarts,
-        "max_task_retries": cfg.preinfer.max_task_retries,
-        "runtime_env": {"env_vars": env} if env else None,
-        **actor_resources(cfg),
-    }
+    """The shards over a pool of LayerWorker actors, with a cache build's actor settings
+    (cache_build.shards_over_actors); a record per shard as calls return (any order)."""
     kwargs = {"cfg": worker_payload(cfg), "fingerprints": fps, "compute": compute}
-    for out in map_over_actors(LayerWorker, kwargs, calls, actors=pool, method="run",
-                               options=options):  # fmt: skip
-        for j in range(len(out["shard"])):
-            yield {k: v[j] for k, v in out.items()}
+
+    def call(a: int, b: int) -> dict:
+        return {"shard": np.asarray(shards[a:b]), "lacks": lacks[a:b]}
+
+    yield from shards_over_actors(cfg, LayerWorker, kwargs, len(shards), call)
 
 
 def _check_disk(root, fps: dict, todo: list, n: int, seq: int, hidden: int, dtype: str) -> None:
