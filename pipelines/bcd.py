@@ -42,6 +42,7 @@ from pipelines.cache_build import (
 from pipelines.train import run_train
 from preinfer.checkpoint.format import CheckpointError
 from preinfer.checkpoint.store import Checkpoint
+from preinfer.plan.costmodel import visit_steps
 from preinfer.plan.guards import (
     check_disk_for_rotation,
     check_same_tokens,
@@ -220,6 +221,7 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     if mode != "full":
         state["order"], state["schedule"] = cfg.train.order, cfg.train.schedule
         state["cache_visits"] = cfg.train.cache_visits
+        state["visit_steps"] = cfg.train.visit_steps
     state.setdefault("checkpoint", checkpoint_record(ckpt))
     save_run_state(cfg.run.dir, state)
     # the resolved config of this run (storage credentials masked)
@@ -233,6 +235,10 @@ def _rotate(cfg: Config, mode: str, log, hooks, on_visit) -> dict:
     else:
         visits = [(r, k) for r in range(cfg.train.rounds) for k in orders[r]]
         log(f"  each visit: {budget.why} ({budget.passes:.2f} passes)")
+        if cfg.train.visit_steps != "equal":
+            steps = visit_steps(cfg, ckpt.partition, budget)
+            log(f"  steps of each round's visits (train.visit_steps={cfg.train.visit_steps}): "
+                f"{steps[0] if len(set(map(tuple, steps))) == 1 else steps}")  # fmt: skip
         if cfg.train.order == "random":
             log(f"  block order (train.order=random, seed {cfg.train.seed}): {orders}")
     # descending, random: round -> the boundary caches kept for the round's later visits

@@ -85,7 +85,7 @@ def _progress_section(data: dict, plots: dict[str, Path]) -> list[str]:
     L += _table(["round", "block", "tokens trained", "wall-clock (s)", "val ppl"], rows)
     L += ["", "Val ppl after each visit, on its own input over `train.eval_batches` x batch val "
           "rows spread over the split by `train.seed` (the same rows at every evaluation; the "
-          "whole split when 0; docs/usage.md, 'How val is sampled'); wall-clock counts from the "
+          "whole split when 0; docs/preinference.md, 'How val is sampled'); wall-clock counts from the "
           "run's first record, cache builds included.", ""]  # fmt: skip
     return L
 

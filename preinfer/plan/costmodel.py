@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preinfer.model.shape import ModelShape
+from preinfer.model.shape import ModelShape, model_shape
+from preinfer.schedule.rotation import VisitBudget, rotation_steps
 
 
 @dataclass(kw_only=True)
@@ -49,6 +50,35 @@ class Flops:
     def preinfer(self, k: int) -> float:
         """Refresh of boundary k: block k-1's forward per cached token."""
         return self._fwd(self.part.layers(k - 1))
+
+
+def block_step_costs(fl: Flops, train) -> list[float]:
+    """Matmul FLOPs per token of each block's bcd step from its boundary, block 0 first (what
+    train.visit_steps=cost shares a round's steps by): Flops.bcd's suffix forward and input
+    gradients, and the weight gradients the visit computes: block k's layers, and the LM-head
+    matrix where the visit trains it (tied: block 0's, unless train.freeze holds embed;
+    untied: block M-1's, and every visit's under train.always_train [head])."""
+    M, part, head = fl.part.num_blocks, fl.part, 2 * fl.sh.head_matrix
+    out = []
+    for k in range(M):
+        fwd = fl._fwd(range(part.blocks[k][0], part.num_layers)) + head
+        if fl.sh.tied:
+            matrix = k == 0 and "embed" not in train.freeze
+        else:
+            matrix = k == M - 1 or "head" in train.always_train
+        out.append(2 * fwd + fl._fwd(part.layers(k)) + (head if matrix else 0))
+    return out
+
+
+def visit_steps(cfg, part, budget: VisitBudget) -> list[list[int]]:
+    """rotation.rotation_steps of `cfg` (a run config) over partition `part`: every bcd visit's
+    steps, [round][position]; train.visit_steps=cost prices each block's step by
+    block_step_costs at data.seq_len."""
+    costs = None
+    if cfg.train.visit_steps == "cost":
+        fl = Flops(sh=model_shape(cfg.model), part=part, seq=cfg.data.seq_len)
+        costs = block_step_costs(fl, cfg.train)
+    return rotation_steps(cfg.train, budget, part.num_blocks, costs)
 
 
 def run_flops(

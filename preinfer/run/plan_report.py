@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from core.config import ConfigError, field_docs, finite_float
 from preinfer.model.partition import partition_layers
 from preinfer.model.shape import model_shape
-from preinfer.plan.costmodel import Flops
+from preinfer.plan.costmodel import Flops, block_step_costs
 from preinfer.plan.fit import FIT_PRECISIONS, fit_search, format_fit
 from preinfer.plan.guards import cache_bytes
 from preinfer.plan.memory import (
@@ -30,7 +30,7 @@ from preinfer.plan.memory import (
 from preinfer.plan.writer_budget import format_writer, writer_plan
 from preinfer.run.config import Config
 from preinfer.runtime.metrics import read_metrics
-from preinfer.schedule.rotation import visit_budget
+from preinfer.schedule.rotation import rotation_steps, visit_budget
 from preinfer.schedule.visit_plan import plan_visit
 from storage.layout import free_disk_bytes
 from storage.tokens import TokenStore
@@ -317,7 +317,10 @@ def _cost(cfg: Config, o: PlanOptions, sh, part, p, plan, peak, price, n_tr, n_v
         # rows a round's M visits read between them: train.cache_visits trades cache size
         # against data diversity (1 = every visit the same rows)
         "distinct_per_round": min(budget.rows, M * budget.visit_rows) if budget else None,
-        "steps_per_visit": budget.steps if budget else None,
+        # train.visit_steps other than equal: the steps of round 0's visits, in its block order
+        "steps_per_visit": (budget.steps if cfg.train.visit_steps == "equal" else
+                            rotation_steps(cfg.train, budget, M, block_step_costs(fl, cfg.train))[0])
+        if budget else None,
         "why": budget.why if budget else None,
     }  # fmt: skip
     avg, worst, src = step_multipliers(sh.arch, sh.tied, M, cfg.model.checkpoint is not None)

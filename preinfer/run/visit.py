@@ -34,13 +34,14 @@ from preinfer.model.evaluation import blocks_row_losses, val_estimate
 from preinfer.model.loss import mode_loss, split_sample
 from preinfer.model.partition import trainable_named_parameters
 from preinfer.model.prefix import forward_prefix
+from preinfer.plan.costmodel import visit_steps
 from preinfer.plan.guards import token_record
 from preinfer.run.config import Config
 from preinfer.run.visit_state import drop_state, load_state, save_state, tokens_warning
 from preinfer.runtime.device import autocast, compute_dtype, pin_threads, torch_dtype
 from preinfer.runtime.memstats import current_memory_mb, peak_memory_mb, reset_peak_memory
 from preinfer.runtime.metrics import append_metrics
-from preinfer.schedule.rotation import sample_indices, store_budget
+from preinfer.schedule.rotation import sample_indices, store_budget, visit_steps_at
 from preinfer.schedule.visit_plan import VisitPlan, plan_visit
 from preinfer.train.batches import CacheBatches, CacheWindow, TokenBatches, endless
 from preinfer.train.step import build_optimizer, lr_at, train_step
@@ -178,16 +179,20 @@ class Visit:
         for p in self.params:
             p.requires_grad_(True)
         self.model.train(cfg.model.dropout > 0)
-        # bcd modes: the round's rows and the visit's steps (rotation.visit_budget); full:
-        # every train row, max_steps (the rotation sets it to the whole rotation's steps)
-        steps = cfg.train.max_steps if spec.mode == "full" else plan.budget.steps
+        # bcd modes: the round's rows (rotation.visit_budget) and the visit's steps (train.
+        # visit_steps: costmodel.visit_steps); full: every train row, max_steps (the rotation
+        # sets it to the whole rotation's steps)
+        steps, offset, total = cfg.train.max_steps, 0, cfg.train.max_steps
+        if spec.mode != "full":
+            every = visit_steps(cfg, self.part, plan.budget)
+            steps, offset, total = visit_steps_at(every, spec.round, plan.position)
         self.tc = dataclasses.replace(cfg.train, max_steps=steps)  # the schedule spans the visit
-        # train.schedule=run (bcd modes): this visit's steps are positions [v*steps, (v+1)*steps)
-        # of one schedule over the rotation's rounds x M visits, v its index in the rotation
+        # train.schedule=run (bcd modes): this visit's steps are positions [offset, offset +
+        # steps) of one schedule over all the rotation's visits' steps
         self.sched, self.lr_offset, self.rewarm = self.tc, 0, 0
         if cfg.train.schedule == "run" and spec.mode != "full":
-            self.lr_offset = (spec.round * self.M + plan.position) * steps
-            self.sched = dataclasses.replace(self.tc, max_steps=cfg.train.rounds * self.M * steps)
+            self.lr_offset = offset
+            self.sched = dataclasses.replace(self.tc, max_steps=total)
             # train.rewarm_steps: every visit after the rotation's first ramps its lr again
             self.rewarm = cfg.train.rewarm_steps if self.lr_offset else 0
         self._data()

@@ -1,7 +1,7 @@
 """Device and precision choice: training's autocast (`training_precision`) and pre-inference's
 compute dtype (`compute_dtype`), both by one rule: bf16 where the device computes it fast
 (CUDA; a CPU with AMX-BF16 tiles, `cpu_amx_bf16`), fp32 elsewhere. A CPU with AVX512-BF16 but
-no AMX has bf16 instructions, yet ran both slower in bf16 than in fp32 (docs/usage.md)."""
+no AMX has bf16 instructions, yet ran both slower in bf16 than in fp32 (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def training_precision(device: torch.device, precision: str = "auto") -> tuple[s
     """Resolve run.precision for training on `device`: ("bf16" | "fp32", why). auto = bf16
     autocast on CUDA and on CPUs with AMX-BF16 tiles; fp32 elsewhere. A CPU with AVX512-BF16
     but no AMX computes bf16 natively, yet a visit trained no faster under bf16 autocast than
-    in fp32 there (docs/usage.md, bench/trainer_step.py --precision: 0.98x and 0.84x), and an AVX2 CPU
+    in fp32 there (docs/training.md, bench/trainer_step.py --precision: 0.98x and 0.84x), and an AVX2 CPU
     emulates bf16 matmuls ~50x slower than fp32."""
     if precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.precision must be auto, fp32 or bf16, got {precision!r}")

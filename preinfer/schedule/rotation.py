@@ -123,6 +123,43 @@ def visit_budget(
                        sample_fraction=sample_fraction, why=why)  # fmt: skip
 
 
+def rotation_steps(
+    train: TrainConfig, budget: VisitBudget, M: int, costs: Sequence[float] | None = None
+) -> list[list[int]]:
+    """Optimizer steps of every bcd visit of the rotation, [round][position in its block order]
+    (train.visit_steps; round_blocks gives the orders). equal: budget.steps each. cost: steps x
+    mean(c) / c_k, c_k = `costs[k]`, block k's predicted step cost (block 0 first;
+    preinfer.plan.costmodel.block_step_costs), so sum(steps x c) stays steps x sum(c): each visit
+    about the same time, the round as long as at equal. A list w (one weight per block): steps x
+    w_k / mean(w), the round's steps as at equal. At least 1 step a visit."""
+    rule, steps = train.visit_steps, budget.steps
+    if rule == "equal":
+        share = [1.0] * M
+    else:
+        if rule == "cost":
+            if costs is None or len(costs) != M or not all(c > 0 for c in costs):
+                raise ValueError(f"train.visit_steps=cost needs M={M} step costs > 0, got {costs}")
+            share = [sum(costs) / M / c for c in costs]
+        else:
+            if len(rule) != M:
+                raise ConfigError(
+                    f"train.visit_steps lists {len(rule)} weights, but the rotation has {M} "
+                    f"blocks: give one weight per block (block 0 first), or equal / cost"
+                )
+            share = [w * M / sum(rule) for w in rule]
+    per_block = [max(1, round(steps * x)) for x in share]
+    return [[per_block[k] for k in round_blocks(train, M, r)] for r in range(train.rounds)]
+
+
+def visit_steps_at(steps: list[list[int]], round_: int, position: int) -> tuple[int, int, int]:
+    """(steps, offset, total) of the visit at (round_, position) of rotation_steps' `steps`:
+    its steps, the rotation's steps before it (where its lr schedule position starts under
+    train.schedule=run), and the rotation's steps in all."""
+    flat = [n for r in steps for n in r]
+    i = round_ * len(steps[0]) + position
+    return flat[i], sum(flat[:i]), sum(flat)
+
+
 def store_budget(train: TrainConfig, sample_fraction: float, store: TokenStore) -> VisitBudget:
     """visit_budget over the token store's split sizes."""
     n_train, n_val = store.num_samples("train"), store.num_samples("val")
@@ -246,13 +283,15 @@ def visit_train_rows(budget: VisitBudget, round_: int, position: int) -> np.ndar
 def round_orders(train: TrainConfig, state: dict, mode: str, M: int, where: Path) -> list:
     """Every round's block order (train.order), as state.json (`where`) records the rotation:
     a resumed one replays its own. Refused: a rotation begun in another train.order,
-    train.schedule or train.cache_visits (its visits' rows; a state.json from before they were
-    recorded: ascending, visit, 1), or whose config draws another order (train.seed changed
+    train.schedule, train.cache_visits (its visits' rows) or train.visit_steps (its visits'
+    steps and lr positions; a state.json from before they were recorded: ascending, visit, 1,
+    equal), or whose config draws another order (train.seed changed
     under train.order=random). full trains all blocks at once over its own steps: none."""
     if mode == "full":
         return []
     started = bool(state["visits"] or state.get("pending"))
-    for key, old in (("order", "ascending"), ("schedule", "visit"), ("cache_visits", 1.0)):
+    for key, old in (("order", "ascending"), ("schedule", "visit"), ("cache_visits", 1.0),
+                     ("visit_steps", "equal")):  # fmt: skip
         was, now = state.get(key, old if started else None), getattr(train, key)
         if was is not None and was != now:
             raise ConfigError(

@@ -63,6 +63,8 @@ class TrainConfig:
     """bcd modes, train.schedule=run: over the first n steps of every visit but the rotation's first, the schedule's lr is scaled by (step + 1) / n, so a block's fresh (or long idle) Adam state does not take full-size steps at once; the rotation's own warmup is train.warmup_steps. 0 = off."""
     max_steps: int = 100
     """Steps per block visit (bcd) or in total (full): the cap of the visit's budget."""
+    visit_steps: Literal["equal", "cost"] | list[float] = "equal"
+    """bcd modes: how a round's steps are shared by its visits (rotation.round_steps). equal = every visit the budget's steps; cost = inversely to the visit's predicted step cost (a deep block's cached visit is cheaper), so every visit takes about the same time and the round about as long as at equal; a list of one weight per block (block 0 first) = the budget's steps x w / mean(w). A visit reads the same rows either way: a longer one reads them more times."""
     epochs: float | None = 1.0
     """Passes over a visit's rows; rows = min(train x sample_fraction, max_steps x batch / epochs), and only those are cached. null = cache every sampled row, train max_steps."""
     cache_visits: float | None = None
@@ -134,6 +136,13 @@ class TrainConfig:
                 f"train.rewarm_steps={self.rewarm_steps} ramps the lr of each visit of one "
                 "schedule over the rotation, but train.schedule=visit already warms up every "
                 "visit (train.warmup_steps): set train.rewarm_steps=0, or train.schedule=run"
+            )
+        if isinstance(self.visit_steps, list) and not (
+            self.visit_steps and all(w > 0 for w in self.visit_steps)
+        ):
+            raise ConfigError(
+                f"train.visit_steps must be equal, cost, or a list of one weight > 0 per block "
+                f"(block 0 first, e.g. [1.2, 1.0, 0.8]), got {self.visit_steps}"
             )
         if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
             raise ConfigError(f"train.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
