@@ -6,7 +6,8 @@
 Every arm trains the same parameters of the same weights on the same batches, fp32, in one
 process, interleaved (docs/log/2026-12-02.md, "A visit's step against BAdam's same step"):
 `preinfer` (BlockStep in bcd-recompute mode, the config's fused chunked loss), `preinfer,
-unfused loss` (train.loss_chunk=0) and `badam` (the HF model, PyPI badam's BlockOptimizer over
+unfused loss` (train.loss_chunk=0), with --compile `preinfer, torch.compile` (the same loss
+under torch.compile; its first step holds the compile) and `badam` (the HF model, PyPI badam's BlockOptimizer over
 preinfer's blocks, the peers bench's loss). Each step is split into forward + loss, backward,
 and clip + optimizer step; the first-step losses must agree.
 """
@@ -17,6 +18,7 @@ import argparse
 import itertools
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +42,12 @@ def run(args) -> dict:
                 for k, c in (("preinfer", None), ("preinfer, unfused loss", 0))}  # fmt: skip
         steps = {k: lambda x, y, a=a: hf_step(a.opt, lambda: a.loss(x, y), a.model)
                  for k, a in mine.items()}  # fmt: skip
+        if args.compile:  # the trainer's own loss under torch.compile (inductor), same weights
+            a = BlockStep("bcd-recompute", cfg, ckpt, args.block, torch.device("cpu"))
+            fn = torch.compile(a.loss)
+            steps["preinfer, torch.compile"] = lambda x, y, a=a, fn=fn: hf_step(
+                a.opt, lambda: fn(x, y), a.model
+            )
         steps["badam"] = badam_step(args.model, ckpt.partition.blocks, args.block, cfg.train.lr)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, ckpt.vocab_size, (4, args.batch, args.seq + 1), generator=g)
@@ -51,7 +59,11 @@ def run(args) -> dict:
 
     arms = {k: arm(step) for k, step in steps.items()}
     load0 = load_average()
-    first = {k: fn()[0] for k, fn in arms.items()}
+    first, first_s = {}, {}  # the first step's loss, and its seconds (torch.compile's compile)
+    for k, fn in arms.items():
+        t0 = time.perf_counter()
+        first[k] = fn()[0]
+        first_s[k] = time.perf_counter() - t0
     got = interleaved(arms, args.repeats, warm_up=False)
     secs = {k: [sum(p) for _, p in v] for k, v in got.items()}
     ref = secs["badam"]
@@ -61,6 +73,7 @@ def run(args) -> dict:
         "threads": args.threads, "repeats": args.repeats, "loss_chunk": cfg.train.loss_chunk,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "load_before": load0, "load_after": load_average(), "first_step_loss": first,
+        "first_step_s": first_s,
         "seconds": {k: spread(v) for k, v in secs.items()},
         "parts": {k: [statistics.median(p[i] for _, p in v) for i in range(3)]
                   for k, v in got.items()},
@@ -78,12 +91,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--set", nargs="+", default=[], help="config overrides, e.g. train.lr=3e-5")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="add the trainer's step with its loss under torch.compile",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     res = run(args)
-    rows = [("arm", "first-step loss", "step s, median [min, max]", "BAdam / arm (speed)",
-             "forward+loss s", "backward s", "clip+step s")]  # fmt: skip
-    rows += [(k, f"{res['first_step_loss'][k]:.4f}", show(s, "{:.3f}"),
+    rows = [("arm", "first-step loss", "first step s", "step s, median [min, max]",
+             "BAdam / arm (speed)", "forward+loss s", "backward s", "clip+step s")]  # fmt: skip
+    rows += [(k, f"{res['first_step_loss'][k]:.4f}", f"{res['first_step_s'][k]:.1f}",
+              show(s, "{:.3f}"),
               show(res["badam_over_arm"][k], "{:.3f}"), *(f"{p:.3f}" for p in res["parts"][k]))
              for k, s in res["seconds"].items()]  # fmt: skip
     text = (f"block {res['block']} of {res['blocks']} from tokens, batch {res['batch']} x "

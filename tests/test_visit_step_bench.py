@@ -37,3 +37,19 @@ def test_preinfer_and_badam_step_the_same_model(tmp_path, block):
         assert s["n"] == 2 and s["min"] > 0, arm
         assert len(res["parts"][arm]) == 3 and all(p > 0 for p in res["parts"][arm]), arm
     assert res["badam_over_arm"]["badam"]["median"] == 1.0
+
+
+@pytest.mark.slow  # torch.compile's inductor build: about a minute on 2 CPUs
+def test_the_compiled_step_trains_the_same_model(tmp_path):
+    model = build_tiny_model(tmp_path / "tiny", instruction_pairs("stdlib", 40))
+    threads = torch.get_num_threads()
+    try:
+        res = visit_step.main(["--model", str(model), "--batch", "2", "--seq", "16",
+                               "--repeats", "2", "--threads", "1", "--compile",
+                               "--out", str(tmp_path / "res.json")])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    first = res["first_step_loss"]
+    assert math.isclose(first["preinfer, torch.compile"], first["badam"], rel_tol=1e-5), first
+    assert res["seconds"]["preinfer, torch.compile"]["n"] == 2
+    assert all(s > 0 for s in res["first_step_s"].values())
