@@ -184,8 +184,13 @@ class Visit:
         # sets it to the whole rotation's steps)
         steps, offset, total = cfg.train.max_steps, 0, cfg.train.max_steps
         if spec.mode != "full":
-            every = visit_steps(cfg, self.part, plan.budget)
-            steps, offset, total = visit_steps_at(every, spec.round, plan.position)
+            # a visit by hand may name a round past train.rounds: its schedule position lies
+            # past the rotation's steps (lr at the floor), the total stays the rotation's
+            rounds = max(cfg.train.rounds, spec.round + 1)
+            tc = dataclasses.replace(cfg.train, rounds=rounds)
+            every = visit_steps(dataclasses.replace(cfg, train=tc), self.part, plan.budget)
+            steps, offset, _ = visit_steps_at(every, spec.round, plan.position)
+            total = sum(n for r in every[: cfg.train.rounds] for n in r)
         self.tc = dataclasses.replace(cfg.train, max_steps=steps)  # the schedule spans the visit
         # train.schedule=run (bcd modes): this visit's steps are positions [offset, offset +
         # steps) of one schedule over all the rotation's visits' steps
