@@ -32,14 +32,18 @@ class Flops:
         layers = range(self.part.num_layers)
         return 3 * (self._fwd(layers) + 2 * self.sh.head_matrix)
 
-    def bcd(self, k: int, whole: bool = False) -> float:
+    def bcd(self, k: int, whole: bool = False, head_trains: bool | None = None) -> float:
         """Suffix forward + input gradients through it + weight gradients of block k only
         (whole: a visit that runs its prefix from tokens, train.prefix_adapters=last: every
-        layer's forward and input gradients)."""
+        layer's forward and input gradients). head_trains: whether the visit computes the LM-head
+        matrix's weight gradient; None = where the matrix's block is k (tied: block 0's, the
+        embedding; untied: block M-1's)."""
         M, part = self.part.num_blocks, self.part
         suffix = range(0 if whole else part.blocks[k][0], part.num_layers)
         fwd = self._fwd(suffix) + 2 * self.sh.head_matrix
         matrix_tr = (k == M - 1 and not self.sh.tied) or (k == 0 and self.sh.tied)
+        if head_trains is not None:
+            matrix_tr = head_trains
         wgrad = self._fwd(part.layers(k)) + (2 * self.sh.head_matrix if matrix_tr else 0)
         return 2 * fwd + wgrad
 
@@ -54,31 +58,26 @@ class Flops:
 
 def block_step_costs(fl: Flops, train) -> list[float]:
     """Matmul FLOPs per token of each block's bcd step from its boundary, block 0 first (what
-    train.visit_steps=cost shares a round's steps by): Flops.bcd's suffix forward and input
-    gradients, and the weight gradients the visit computes: block k's layers, and the LM-head
-    matrix where the visit trains it (tied: block 0's, unless train.freeze holds embed;
-    untied: block M-1's, and every visit's under train.always_train [head])."""
-    M, part, head = fl.part.num_blocks, fl.part, 2 * fl.sh.head_matrix
-    out = []
-    for k in range(M):
-        fwd = fl._fwd(range(part.blocks[k][0], part.num_layers)) + head
-        if fl.sh.tied:
-            matrix = k == 0 and "embed" not in train.freeze
-        else:
-            matrix = k == M - 1 or "head" in train.always_train
-        out.append(2 * fwd + fl._fwd(part.layers(k)) + (head if matrix else 0))
-    return out
+    train.visit_steps=cost shares a round's steps by): Flops.bcd, with the LM-head matrix's
+    weight gradient where the visit computes it (tied: block 0's, unless train.freeze holds
+    embed; untied: block M-1's, and every visit's under train.always_train [head])."""
+    M = fl.part.num_blocks
+    if fl.sh.tied:
+        trains = [k == 0 and "embed" not in train.freeze for k in range(M)]
+    else:
+        trains = [k == M - 1 or "head" in train.always_train for k in range(M)]
+    return [fl.bcd(k, head_trains=t) for k, t in enumerate(trains)]
 
 
-def visit_steps(cfg, part, budget: VisitBudget) -> list[list[int]]:
+def visit_steps(cfg, part, budget: VisitBudget, rounds: int | None = None) -> list[list[int]]:
     """rotation.rotation_steps of `cfg` (a run config) over partition `part`: every bcd visit's
-    steps, [round][position]; train.visit_steps=cost prices each block's step by
-    block_step_costs at data.seq_len."""
+    steps, [round][position] (`rounds` of them; None = train.rounds); train.visit_steps=cost
+    prices each block's step by block_step_costs at data.seq_len."""
     costs = None
     if cfg.train.visit_steps == "cost":
         fl = Flops(sh=model_shape(cfg.model), part=part, seq=cfg.data.seq_len)
         costs = block_step_costs(fl, cfg.train)
-    return rotation_steps(cfg.train, budget, part.num_blocks, costs)
+    return rotation_steps(cfg.train, budget, part.num_blocks, costs, rounds=rounds)
 
 
 def run_flops(

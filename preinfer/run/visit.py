@@ -187,8 +187,7 @@ class Visit:
             # a visit by hand may name a round past train.rounds: its schedule position lies
             # past the rotation's steps (lr at the floor), the total stays the rotation's
             rounds = max(cfg.train.rounds, spec.round + 1)
-            tc = dataclasses.replace(cfg.train, rounds=rounds)
-            every = visit_steps(dataclasses.replace(cfg, train=tc), self.part, plan.budget)
+            every = visit_steps(cfg, self.part, plan.budget, rounds=rounds)
             steps, offset, _ = visit_steps_at(every, spec.round, plan.position)
             total = sum(n for r in every[: cfg.train.rounds] for n in r)
         self.tc = dataclasses.replace(cfg.train, max_steps=steps)  # the schedule spans the visit

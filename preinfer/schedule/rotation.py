@@ -124,9 +124,15 @@ def visit_budget(
 
 
 def rotation_steps(
-    train: TrainConfig, budget: VisitBudget, M: int, costs: Sequence[float] | None = None
+    train: TrainConfig,
+    budget: VisitBudget,
+    M: int,
+    costs: Sequence[float] | None = None,
+    *,
+    rounds: int | None = None,
 ) -> list[list[int]]:
     """Optimizer steps of every bcd visit of the rotation, [round][position in its block order]
+    for `rounds` rounds (None = train.rounds; more for a visit run by hand past them)
     (train.visit_steps; round_blocks gives the orders). equal: budget.steps each. cost: steps x
     mean(c) / c_k, c_k = `costs[k]`, block k's predicted step cost (block 0 first;
     preinfer.plan.costmodel.block_step_costs), so sum(steps x c) stays steps x sum(c): each visit
@@ -148,7 +154,8 @@ def rotation_steps(
                 )
             share = [w * M / sum(rule) for w in rule]
     per_block = [max(1, round(steps * x)) for x in share]
-    return [[per_block[k] for k in round_blocks(train, M, r)] for r in range(train.rounds)]
+    n = train.rounds if rounds is None else rounds
+    return [[per_block[k] for k in round_blocks(train, M, r)] for r in range(n)]
 
 
 def visit_steps_at(steps: list[list[int]], round_: int, position: int) -> tuple[int, int, int]:

@@ -64,7 +64,7 @@ class TrainConfig:
     max_steps: int = 100
     """Steps per block visit (bcd) or in total (full): the cap of the visit's budget."""
     visit_steps: Literal["equal", "cost"] | list[float] = "equal"
-    """bcd modes: how a round's steps are shared by its visits (rotation.round_steps). equal = every visit the budget's steps; cost = inversely to the visit's predicted step cost (a deep block's cached visit is cheaper), so every visit takes about the same time and the round about as long as at equal; a list of one weight per block (block 0 first) = the budget's steps x w / mean(w). A visit reads the same rows either way: a longer one reads them more times."""
+    """bcd modes: how a round's steps are shared by its visits (rotation.rotation_steps). equal = every visit the budget's steps; cost = inversely to the visit's predicted step cost (a deep block's cached visit is cheaper), so every visit takes about the same time and the round about as long as at equal; a list of one weight per block (block 0 first) = the budget's steps x w / mean(w). A visit reads the same rows either way: a longer one reads them more times."""
     epochs: float | None = 1.0
     """Passes over a visit's rows; rows = min(train x sample_fraction, max_steps x batch / epochs), and only those are cached. null = cache every sampled row, train max_steps."""
     cache_visits: float | None = None
